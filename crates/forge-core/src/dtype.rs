@@ -1,0 +1,119 @@
+//! Input element types and their exact conversion to f32.
+
+use half::{bf16, f16};
+
+/// An fp8 E4M3 (the `e4m3fn` variant: bias 7, no infinities, 0x7F/0xFF are NaN) value,
+/// stored as its raw byte.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct F8E4M3(pub u8);
+
+const fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0f32 };
+    let exp = ((b >> 3) & 0x0F) as i32;
+    let man = (b & 0x07) as f32;
+    if exp == 0x0F && (b & 0x07) == 0x07 {
+        return f32::NAN;
+    }
+    let v = if exp == 0 {
+        // subnormal: man/8 * 2^-6
+        man * (1.0 / 512.0)
+    } else {
+        let mut p = 1.0f32;
+        let mut e = exp - 7;
+        while e > 0 {
+            p *= 2.0;
+            e -= 1;
+        }
+        while e < 0 {
+            p *= 0.5;
+            e += 1;
+        }
+        (1.0 + man / 8.0) * p
+    };
+    sign * v
+}
+
+const fn build_e4m3_table() -> [f32; 256] {
+    let mut t = [0.0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = e4m3_to_f32(i as u8);
+        i += 1;
+    }
+    t
+}
+
+/// Exact value of every fp8 E4M3 byte.
+pub static E4M3_TABLE: [f32; 256] = build_e4m3_table();
+
+/// An element type the quantizers accept. Conversion to f32 is exact for all of them.
+pub trait Element: Copy + Send + Sync + 'static {
+    /// Short name used in error messages (`"bf16"`).
+    const NAME: &'static str;
+    /// Exact conversion.
+    fn to_f32(self) -> f32;
+}
+
+impl Element for f32 {
+    const NAME: &'static str = "f32";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+impl Element for f16 {
+    const NAME: &'static str = "f16";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+impl Element for bf16 {
+    const NAME: &'static str = "bf16";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+impl Element for F8E4M3 {
+    const NAME: &'static str = "f8_e4m3";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        E4M3_TABLE[self.0 as usize]
+    }
+}
+
+/// Returns the index and value of the first non-finite element, if any.
+pub fn first_non_finite<T: Element>(x: &[T]) -> Option<(usize, f32)> {
+    use rayon::prelude::*;
+    x.par_iter()
+        .position_first(|v| !v.to_f32().is_finite())
+        .map(|i| (i, x[i].to_f32()))
+}
+
+/// Errors with [`crate::Error::NonFinite`] if `x` holds NaN or infinity.
+pub fn check_finite<T: Element>(name: &str, x: &[T]) -> crate::Result<()> {
+    match first_non_finite(x) {
+        Some((index, value)) => Err(crate::Error::NonFinite {
+            name: name.into(),
+            index,
+            value,
+        }),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn e4m3_known_values() {
+        assert_eq!(E4M3_TABLE[0x00], 0.0);
+        assert_eq!(E4M3_TABLE[0x38], 1.0); // exp 7, man 0
+        assert_eq!(E4M3_TABLE[0x7E], 448.0); // max normal
+        assert_eq!(E4M3_TABLE[0x01], 2f32.powi(-9)); // min subnormal
+        assert_eq!(E4M3_TABLE[0xB8], -1.0);
+        assert!(E4M3_TABLE[0x7F].is_nan() && E4M3_TABLE[0xFF].is_nan());
+    }
+}

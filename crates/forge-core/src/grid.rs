@@ -1,0 +1,392 @@
+//! Quantization grids: range-based group metadata and the MSE / L^p shrink search
+//! (spec gptq-core-qmeta4 §6.2, §6.3; exact arithmetic in `docs/numerics.md`).
+
+use crate::dtype::{check_finite, Element};
+use crate::error::{check_len, Error, Result};
+use crate::pmath::pow_p;
+use crate::qmeta::{QMeta, FLAG_SYMMETRIC};
+use rayon::prelude::*;
+
+/// Added to every range-based scale so that an all-zero group has a positive scale.
+pub const EPS: f32 = 1e-9;
+
+/// Lanes of the fixed summation order of the MSE search (one CUDA warp).
+pub const LANES: usize = 32;
+
+/// What grid to build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GridSpec {
+    /// Bits per code, 2..=8.
+    pub bits: u8,
+    /// Elements per group: a multiple of 32 from 32 to 1024.
+    pub group_size: usize,
+    /// Symmetric (zero point fixed at (maxq + 1) / 2) or asymmetric.
+    pub symmetric: bool,
+}
+
+impl GridSpec {
+    /// Checks the parameters.
+    pub fn validate(&self) -> Result<()> {
+        if !(2..=8).contains(&self.bits) {
+            return Err(Error::param("bits", "must be between 2 and 8", self.bits));
+        }
+        if self.group_size < 32 || self.group_size > 1024 || self.group_size % 32 != 0 {
+            return Err(Error::param(
+                "group_size",
+                "must be a multiple of 32 between 32 and 1024 (e.g. 32, 64, 128, 256)",
+                self.group_size,
+            ));
+        }
+        Ok(())
+    }
+    /// Largest code.
+    pub fn maxq(&self) -> u32 {
+        (1u32 << self.bits) - 1
+    }
+    /// Groups per row of length `cols`.
+    pub fn groups(&self, cols: usize) -> usize {
+        cols.div_ceil(self.group_size)
+    }
+    /// Zero padding of the last group.
+    pub fn pad(&self, cols: usize) -> usize {
+        self.groups(cols) * self.group_size - cols
+    }
+}
+
+/// Parameters of the MSE / L^p shrink search.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MseSpec {
+    /// Candidates span `[1 - max_shrink, 1 + max_shrink]` (spec default 0.2).
+    pub max_shrink: f32,
+    /// Number of candidates, 1..=1024 (default 100).
+    pub n_grid: usize,
+    /// Exponent p of the loss Σ|e|^p (default 2.4; 2 uses e·e exactly).
+    pub norm: f32,
+}
+
+impl Default for MseSpec {
+    fn default() -> Self {
+        MseSpec {
+            max_shrink: 0.2,
+            n_grid: 100,
+            norm: 2.4,
+        }
+    }
+}
+
+impl MseSpec {
+    /// Checks the parameters.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.max_shrink.is_finite() && (0.0..1.0).contains(&self.max_shrink)) {
+            return Err(Error::param(
+                "quant_max_shrink",
+                "must be in [0, 1)",
+                self.max_shrink,
+            ));
+        }
+        if !(1..=1024).contains(&self.n_grid) {
+            return Err(Error::param(
+                "quant_n_grid",
+                "must be between 1 and 1024",
+                self.n_grid,
+            ));
+        }
+        if !(self.norm.is_finite() && self.norm > 0.0) {
+            return Err(Error::param(
+                "quant_norm",
+                "must be a positive finite number",
+                self.norm,
+            ));
+        }
+        Ok(())
+    }
+    /// The shrink factors `p_i = f32(1 - s + i * 2s / (n - 1))`.
+    pub fn candidates(&self) -> Vec<f32> {
+        if self.n_grid == 1 {
+            return vec![1.0];
+        }
+        let s = self.max_shrink as f64;
+        let step = 2.0 * s / (self.n_grid as f64 - 1.0);
+        (0..self.n_grid)
+            .map(|i| (1.0 - s + i as f64 * step) as f32)
+            .collect()
+    }
+}
+
+/// Copies group `g` of a row into `buf` (zero padded).
+#[inline]
+fn load_group<T: Element>(row: &[T], g: usize, group_size: usize, buf: &mut [f32]) {
+    let start = g * group_size;
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = row.get(start + i).map_or(0.0, |v| v.to_f32());
+    }
+}
+
+/// Range-based metadata of one group (padding included).
+#[inline]
+pub fn range_meta(group: &[f32], spec: &GridSpec) -> QMeta {
+    let mut xmin = f32::INFINITY;
+    let mut xmax = f32::NEG_INFINITY;
+    for &v in group {
+        xmin = xmin.min(v);
+        xmax = xmax.max(v);
+    }
+    let maxq = spec.maxq() as f32;
+    if spec.symmetric {
+        let amax = xmin.abs().max(xmax.abs());
+        let s = (2.0 * amax) / maxq + EPS;
+        QMeta::from_scale(s, (1u32 << (spec.bits - 1)) as u8, true)
+    } else {
+        let s = (xmax - xmin) / maxq + EPS;
+        let z = (-xmin / s).round_ties_even().clamp(0.0, maxq);
+        QMeta::from_scale(s, z as u8, false)
+    }
+}
+
+fn check_inputs<T: Element>(x: &[T], rows: usize, cols: usize, spec: &GridSpec) -> Result<()> {
+    spec.validate()?;
+    if cols == 0 || rows == 0 {
+        return Err(Error::shape(
+            "weight",
+            "a non-empty 2-D tensor",
+            format!("{rows}x{cols}"),
+        ));
+    }
+    check_len("weight", x.len(), rows, cols)?;
+    check_finite("weight", x)
+}
+
+/// Range-based grid of a row-major `[rows, cols]` tensor: `rows * groups(cols)` qmeta.
+pub fn build_range<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    spec: &GridSpec,
+) -> Result<Vec<QMeta>> {
+    check_inputs(x, rows, cols, spec)?;
+    let ng = spec.groups(cols);
+    let mut out = vec![QMeta(0); rows * ng];
+    out.par_chunks_mut(ng)
+        .zip(x.par_chunks(cols))
+        .for_each_init(
+            || vec![0f32; spec.group_size],
+            |buf, (meta_row, row)| {
+                for (g, m) in meta_row.iter_mut().enumerate() {
+                    load_group(row, g, spec.group_size, buf);
+                    *m = range_meta(buf, spec);
+                }
+            },
+        );
+    Ok(out)
+}
+
+/// Loss of one candidate scale on one group, in the fixed lane order of `docs/numerics.md`.
+#[inline]
+pub fn candidate_loss(group: &[f32], scale: f32, zero: f32, maxq: f32, norm: f32) -> f32 {
+    let inv = 1.0 / scale;
+    let mut lanes = [0f32; LANES];
+    for (i, &x) in group.iter().enumerate() {
+        let q = (x * inv + zero).round_ties_even().clamp(0.0, maxq);
+        let e = (q - zero) * scale - x;
+        let l = if norm == 2.0 {
+            e * e
+        } else {
+            pow_p(e.abs(), norm)
+        };
+        lanes[i % LANES] += l;
+    }
+    let mut off = LANES / 2;
+    while off > 0 {
+        for l in 0..off {
+            lanes[l] += lanes[l + off];
+        }
+        off /= 2;
+    }
+    lanes[0]
+}
+
+/// Best candidate for one group: returns the refined qmeta.
+#[inline]
+pub fn mse_refine_group(group: &[f32], meta: QMeta, bits: u8, cands: &[f32], norm: f32) -> QMeta {
+    let p = meta.params(bits);
+    let mut best = f32::INFINITY;
+    let mut best_s = p.scale;
+    for &c in cands {
+        let s = p.scale * c;
+        let loss = candidate_loss(group, s, p.zero, p.maxq, norm);
+        if loss < best {
+            best = loss;
+            best_s = s;
+        }
+    }
+    QMeta::from_scale(best_s, meta.zero(), meta.flags() & FLAG_SYMMETRIC != 0)
+}
+
+/// Refines `qmeta` in place with the MSE / L^p shrink search.
+pub fn refine_mse<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    spec: &GridSpec,
+    mse: &MseSpec,
+    qmeta: &mut [QMeta],
+) -> Result<()> {
+    check_inputs(x, rows, cols, spec)?;
+    mse.validate()?;
+    let ng = spec.groups(cols);
+    check_len("qmeta", qmeta.len(), rows, ng)?;
+    let cands = mse.candidates();
+    qmeta
+        .par_chunks_mut(ng)
+        .zip(x.par_chunks(cols))
+        .for_each_init(
+            || vec![0f32; spec.group_size],
+            |buf, (meta_row, row)| {
+                for (g, m) in meta_row.iter_mut().enumerate() {
+                    load_group(row, g, spec.group_size, buf);
+                    *m = mse_refine_group(buf, *m, spec.bits, &cands, mse.norm);
+                }
+            },
+        );
+    Ok(())
+}
+
+/// How to choose the scales.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GridMode {
+    /// Min/max (absmax for symmetric) of each group.
+    Range,
+    /// Range, then the MSE / L^p shrink search.
+    Mse(MseSpec),
+}
+
+/// Builds a grid: returns `(qmeta [rows * groups], maxq, pad)` as in spec §7.1.
+pub fn build_quant_grid<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    spec: &GridSpec,
+    mode: GridMode,
+) -> Result<(Vec<QMeta>, u32, usize)> {
+    let mut qmeta = build_range(x, rows, cols, spec)?;
+    if let GridMode::Mse(mse) = mode {
+        refine_mse(x, rows, cols, spec, &mse, &mut qmeta)?;
+    }
+    Ok((qmeta, spec.maxq(), spec.pad(cols)))
+}
+
+/// Round-to-nearest codes of `W [rows, cols]` on a grid, returned TRANSPOSED as
+/// `[cols, rows]` (the `(C, R)` layout the GPTQ solver and the packers use).
+pub fn quantize_rtn<T: Element>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    spec: &GridSpec,
+    qmeta: &[QMeta],
+) -> Result<Vec<u8>> {
+    check_inputs(x, rows, cols, spec)?;
+    let ng = spec.groups(cols);
+    check_len("qmeta", qmeta.len(), rows, ng)?;
+    // codes_t[c][r]: compute row by row, then transpose in tiles.
+    let mut codes = vec![0u8; rows * cols];
+    codes.par_chunks_mut(cols).enumerate().for_each(|(r, out)| {
+        let row = &x[r * cols..(r + 1) * cols];
+        for g in 0..ng {
+            let p = qmeta[r * ng + g].params(spec.bits);
+            let end = ((g + 1) * spec.group_size).min(cols);
+            for c in g * spec.group_size..end {
+                out[c] = p.code(row[c].to_f32()) as u8;
+            }
+        }
+    });
+    Ok(transpose_u8(&codes, rows, cols))
+}
+
+/// Transposes a row-major `[rows, cols]` byte matrix.
+pub fn transpose_u8(a: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let mut t = vec![0u8; rows * cols];
+    const TB: usize = 64;
+    t.par_chunks_mut((rows * TB).max(1))
+        .enumerate()
+        .for_each(|(bi, chunk)| {
+            let c0 = bi * TB;
+            let nc = chunk.len() / rows;
+            for r in 0..rows {
+                for dc in 0..nc {
+                    chunk[dc * rows + r] = a[r * cols + c0 + dc];
+                }
+            }
+        });
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn range_asym_and_sym() {
+        let spec = GridSpec {
+            bits: 4,
+            group_size: 32,
+            symmetric: false,
+        };
+        let g: Vec<f32> = (0..32).map(|i| i as f32 / 31.0 * 3.0 - 1.0).collect();
+        let m = range_meta(&g, &spec);
+        let s = 3.0f32 / 15.0 + EPS;
+        assert!((m.scale() / s - 1.0).abs() < 2e-3);
+        assert_eq!(m.zero(), 5); // round(1/0.2)
+        let spec = GridSpec {
+            symmetric: true,
+            ..spec
+        };
+        let m = range_meta(&g, &spec);
+        assert_eq!(m.zero(), 8);
+        assert!(m.symmetric());
+    }
+
+    #[test]
+    fn transpose() {
+        let a: Vec<u8> = (0..(5 * 130)).map(|i| (i % 251) as u8).collect();
+        let t = transpose_u8(&a, 5, 130);
+        for r in 0..5 {
+            for c in 0..130 {
+                assert_eq!(t[c * 5 + r], a[r * 130 + c]);
+            }
+        }
+    }
+
+    #[test]
+    fn mse_never_worse_than_range() {
+        let spec = GridSpec {
+            bits: 4,
+            group_size: 64,
+            symmetric: false,
+        };
+        let x: Vec<f32> = (0..64 * 8)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0).powi(3))
+            .collect();
+        let mut q = build_range(&x, 8, 64, &spec).unwrap();
+        let before = q.clone();
+        refine_mse(
+            &x,
+            8,
+            64,
+            &spec,
+            &MseSpec {
+                norm: 2.0,
+                ..Default::default()
+            },
+            &mut q,
+        )
+        .unwrap();
+        for r in 0..8 {
+            let g = &x[r * 64..(r + 1) * 64];
+            let lb = before[r].params(4);
+            let la = q[r].params(4);
+            let eb = candidate_loss(g, lb.scale, lb.zero, 15.0, 2.0);
+            let ea = candidate_loss(g, la.scale, la.zero, 15.0, 2.0);
+            assert!(ea <= eb * 1.01, "{ea} {eb}");
+        }
+    }
+}
