@@ -1,0 +1,608 @@
+//! The functional API of `forge._native`. Each function validates its tensors (dtype,
+//! device, shape), converts them to slices without copying, runs the core without the
+//! GIL and returns new torch tensors.
+
+use crate::errors::{core_err, detach_guarded, raise};
+use crate::tensor::{from_vec, DType, Tensor};
+use forge_core::grid::{self, GridMode, GridSpec, MseSpec};
+use forge_core::{gptq, matmul, pack, QMeta, F8E4M3};
+use half::{bf16, f16};
+use pyo3::prelude::*;
+
+const FLOATS: &[DType] = &[DType::F32, DType::F16, DType::BF16, DType::F8E4M3];
+
+/// Runs `$body` with `$slice` bound to the weight data as its element type.
+macro_rules! with_elements {
+    ($t:expr, |$slice:ident| $body:expr) => {{
+        // SAFETY: dtype checked against FLOATS, device checked to be CPU.
+        match $t.dtype {
+            DType::F32 => {
+                let $slice: &[f32] = unsafe { $t.slice() };
+                $body
+            }
+            DType::F16 => {
+                let $slice: &[f16] = unsafe { $t.slice() };
+                $body
+            }
+            DType::BF16 => {
+                let $slice: &[bf16] = unsafe { $t.slice() };
+                $body
+            }
+            _ => {
+                let $slice: &[F8E4M3] = unsafe { $t.slice() };
+                $body
+            }
+        }
+    }};
+}
+
+fn spec(py: Python<'_>, bits: u8, group_size: usize, symmetric: bool) -> PyResult<GridSpec> {
+    let s = GridSpec {
+        bits,
+        group_size,
+        symmetric,
+    };
+    s.validate().map_err(|e| core_err(py, e))?;
+    Ok(s)
+}
+
+fn qmeta_vec(q: &Tensor<'_>) -> Vec<QMeta> {
+    // SAFETY: caller checked dtype uint8 and last dim 4 on the CPU.
+    let b: &[u8] = unsafe { q.slice() };
+    b.chunks_exact(4)
+        .map(|c| QMeta::from_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn qmeta_bytes(q: &[QMeta]) -> Vec<u8> {
+    q.iter().flat_map(|m| m.to_bytes()).collect()
+}
+
+/// Checks a `(rows, groups, 4)` uint8 qmeta tensor.
+fn check_qmeta(q: &Tensor<'_>, rows: usize, groups: usize, what: &str) -> PyResult<()> {
+    q.require_cpu()?;
+    q.require_dtype(&[DType::U8])?;
+    q.require_shape(&[rows, groups, 4], what)
+}
+
+fn weight_2d<'py>(name: &'static str, obj: &Bound<'py, PyAny>) -> PyResult<Tensor<'py>> {
+    let t = Tensor::extract(name, obj)?;
+    t.require_cpu()?;
+    t.require_dtype(FLOATS)?;
+    t.require_ndim(2, "(rows, cols)")?;
+    Ok(t)
+}
+
+/// Range or MSE grid of a `(rows, cols)` weight: `(qmeta (rows, G, 4) uint8, maxq, pad)`.
+#[pyfunction]
+#[pyo3(signature = (weight, group_size, bits, symmetric, mode, quant_max_shrink, quant_n_grid, quant_norm))]
+#[allow(clippy::too_many_arguments)]
+pub fn build_quant_grid<'py>(
+    py: Python<'py>,
+    weight: &Bound<'py, PyAny>,
+    group_size: usize,
+    bits: u8,
+    symmetric: bool,
+    mode: &str,
+    quant_max_shrink: f32,
+    quant_n_grid: usize,
+    quant_norm: f32,
+) -> PyResult<(Bound<'py, PyAny>, u32, usize)> {
+    let w = weight_2d("weight", weight)?;
+    let s = spec(py, bits, group_size, symmetric)?;
+    let gm = match mode {
+        "range" | "absmax" | "minmax" => GridMode::Range,
+        "mse" => {
+            let m = MseSpec {
+                max_shrink: quant_max_shrink,
+                n_grid: quant_n_grid,
+                norm: quant_norm,
+            };
+            m.validate().map_err(|e| core_err(py, e))?;
+            GridMode::Mse(m)
+        }
+        other => {
+            return Err(raise(
+                py,
+                "InvalidValueError",
+                format!("mode: expected 'range' or 'mse', got {other:?}"),
+            ));
+        }
+    };
+    let (rows, cols) = (w.shape[0], w.shape[1]);
+    let r = with_elements!(w, |x| detach_guarded(py, "build_quant_grid", || {
+        grid::build_quant_grid(x, rows, cols, &s, gm)
+    })?);
+    let (q, maxq, pad) = r.map_err(|e| core_err(py, e))?;
+    let t = from_vec(py, &qmeta_bytes(&q), &[rows, s.groups(cols), 4], DType::U8)?;
+    Ok((t, maxq, pad))
+}
+
+/// Round-to-nearest codes of `weight (N, K)` on its grid, returned as `(K, N)` uint8.
+#[pyfunction]
+pub fn quantize_rtn<'py>(
+    py: Python<'py>,
+    weight: &Bound<'py, PyAny>,
+    qmeta: &Bound<'py, PyAny>,
+    bits: u8,
+    group_size: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let w = weight_2d("weight", weight)?;
+    let (n, k) = (w.shape[0], w.shape[1]);
+    let s = spec(py, bits, group_size, false)?;
+    let q = Tensor::extract("qmeta", qmeta)?;
+    check_qmeta(
+        &q,
+        n,
+        s.groups(k),
+        "(N, ceil(K/group_size), 4) for weight (N, K)",
+    )?;
+    let qm = qmeta_vec(&q);
+    let r = with_elements!(w, |x| detach_guarded(py, "quantize_rtn", || {
+        grid::quantize_rtn(x, n, k, &s, &qm)
+    })?);
+    let codes = r.map_err(|e| core_err(py, e))?;
+    from_vec(py, &codes, &[k, n], DType::U8)
+}
+
+/// Encodes float scales, zero points and symmetric flags into qmeta bytes `(..., 4)`.
+#[pyfunction]
+pub fn encode_qmeta<'py>(
+    py: Python<'py>,
+    scale: &Bound<'py, PyAny>,
+    zero: &Bound<'py, PyAny>,
+    symmetric: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let s = Tensor::extract("scale", scale)?;
+    let z = Tensor::extract("zero", zero)?;
+    let f = Tensor::extract("symmetric", symmetric)?;
+    for t in [&s, &z, &f] {
+        t.require_cpu()?;
+    }
+    s.require_dtype(&[DType::F32])?;
+    z.require_dtype(&[DType::U8])?;
+    f.require_dtype(&[DType::Bool])?;
+    z.require_shape(&s.shape, "(same as scale)")?;
+    f.require_shape(&s.shape, "(same as scale)")?;
+    // SAFETY: dtypes checked above.
+    let (sv, zv, fv): (&[f32], &[u8], &[u8]) = unsafe { (s.slice(), z.slice(), f.slice()) };
+    if let Some(i) = sv.iter().position(|v| !(v.is_finite() && *v > 0.0)) {
+        return Err(raise(
+            py,
+            "InvalidValueError",
+            format!("scale: must be positive and finite; index {i} is {}", sv[i]),
+        ));
+    }
+    let q: Vec<QMeta> = (0..sv.len())
+        .map(|i| QMeta::from_scale(sv[i], zv[i], fv[i] != 0))
+        .collect();
+    let mut shape = s.shape.clone();
+    shape.push(4);
+    from_vec(py, &qmeta_bytes(&q), &shape, DType::U8)
+}
+
+/// Decodes qmeta bytes `(..., 4)` into `(scale f32, stored zero uint8, symmetric bool)`.
+#[pyfunction]
+pub fn decode_qmeta<'py>(
+    py: Python<'py>,
+    qmeta: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let q = Tensor::extract("qmeta", qmeta)?;
+    q.require_cpu()?;
+    q.require_dtype(&[DType::U8])?;
+    if q.shape.last() != Some(&4) {
+        return Err(raise(
+            py,
+            "ShapeError",
+            format!(
+                "qmeta: expected a last dimension of 4 bytes, got shape {:?}",
+                q.shape
+            ),
+        ));
+    }
+    let qm = qmeta_vec(&q);
+    let shape = &q.shape[..q.shape.len() - 1];
+    let scales: Vec<f32> = qm.iter().map(|m| m.scale()).collect();
+    let zeros: Vec<u8> = qm.iter().map(|m| m.zero()).collect();
+    let flags: Vec<u8> = qm.iter().map(|m| m.symmetric() as u8).collect();
+    Ok((
+        from_vec(py, &scales, shape, DType::F32)?,
+        from_vec(py, &zeros, shape, DType::U8)?,
+        from_vec(py, &flags, shape, DType::Bool)?,
+    ))
+}
+
+/// `(hinv_chol (C, C) f32, perm int64 or None, damp, retries, dead)`.
+#[pyfunction]
+pub fn prepare_hessian<'py>(
+    py: Python<'py>,
+    hessian: &Bound<'py, PyAny>,
+    percdamp: f32,
+    act_order: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let h = Tensor::extract("hessian", hessian)?;
+    h.require_cpu()?;
+    h.require_dtype(&[DType::F32])?;
+    h.require_ndim(2, "(C, C)")?;
+    if h.shape[0] != h.shape[1] {
+        return Err(raise(
+            py,
+            "ShapeError",
+            format!(
+                "hessian: expected a square (C, C) matrix, got {:?}",
+                h.shape
+            ),
+        ));
+    }
+    let c = h.shape[0];
+    // SAFETY: f32 checked.
+    let hv: &[f32] = unsafe { h.slice() };
+    let f = detach_guarded(py, "prepare_hessian", || {
+        gptq::prepare_hessian(hv, c, percdamp, act_order)
+    })?
+    .map_err(|e| core_err(py, e))?;
+    let u = from_vec(py, &f.hinv_chol, &[c, c], DType::F32)?;
+    let perm = match &f.perm {
+        Some(p) => {
+            let p: Vec<i64> = p.iter().map(|&i| i as i64).collect();
+            from_vec(py, &p, &[c], DType::I64)?
+        }
+        None => py.None().into_bound(py),
+    };
+    let tuple = (u, perm, f.damp, f.retries, f.dead).into_pyobject(py)?;
+    Ok(tuple.into_any())
+}
+
+/// GPTQ solve on `weight_t (C, R)`; returns `(codes (C, R) uint8, dequantized (C, R) f32)`.
+#[pyfunction]
+#[pyo3(signature = (weight_t, hinv_chol, qmeta, bits, group_size, block_size, perm=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn gptq_solve<'py>(
+    py: Python<'py>,
+    weight_t: &Bound<'py, PyAny>,
+    hinv_chol: &Bound<'py, PyAny>,
+    qmeta: &Bound<'py, PyAny>,
+    bits: u8,
+    group_size: usize,
+    block_size: usize,
+    perm: Option<&Bound<'py, PyAny>>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let w = weight_2d("weight", weight_t)?;
+    let (c, r) = (w.shape[0], w.shape[1]);
+    let s = spec(py, bits, group_size, false)?;
+    let u = Tensor::extract("hessian_inv", hinv_chol)?;
+    u.require_cpu()?;
+    u.require_dtype(&[DType::F32])?;
+    u.require_shape(&[c, c], "(C, C) for weight (C, R)")?;
+    let q = Tensor::extract("qmeta", qmeta)?;
+    check_qmeta(
+        &q,
+        r,
+        s.groups(c),
+        "(R, ceil(C/group_size), 4): the grid of weight.T",
+    )?;
+    let perm_v: Option<Vec<usize>> = match perm {
+        None => None,
+        Some(p) if p.is_none() => None,
+        Some(p) => {
+            let t = Tensor::extract("perm", p)?;
+            t.require_cpu()?;
+            t.require_dtype(&[DType::I64])?;
+            t.require_shape(&[c], "(C,)")?;
+            // SAFETY: int64 checked.
+            let v: &[i64] = unsafe { t.slice() };
+            if let Some(i) = v.iter().position(|&x| x < 0 || x as usize >= c) {
+                return Err(raise(
+                    py,
+                    "InvalidValueError",
+                    format!("perm: entries must be in 0..{c}; index {i} is {}", v[i]),
+                ));
+            }
+            Some(v.iter().map(|&x| x as usize).collect())
+        }
+    };
+    let qm = qmeta_vec(&q);
+    // SAFETY: f32 checked.
+    let uv: &[f32] = unsafe { u.slice() };
+    let mut wv: Vec<f32> = with_elements!(w, |x| x
+        .iter()
+        .map(|v| forge_core::Element::to_f32(*v))
+        .collect());
+    let codes = detach_guarded(py, "gptq_solve", || {
+        gptq::solve(&mut wv, c, r, uv, &qm, &s, block_size, perm_v.as_deref())
+    })?
+    .map_err(|e| core_err(py, e))?;
+    Ok((
+        from_vec(py, &codes, &[c, r], DType::U8)?,
+        from_vec(py, &wv, &[c, r], DType::F32)?,
+    ))
+}
+
+fn codes_tensor<'py>(codes: &Bound<'py, PyAny>) -> PyResult<Tensor<'py>> {
+    let t = Tensor::extract("codes", codes)?;
+    t.require_cpu()?;
+    t.require_dtype(&[DType::U8])?;
+    t.require_ndim(2, "(K, N)")?;
+    Ok(t)
+}
+
+fn pack_spec<'py>(
+    py: Python<'py>,
+    qmeta: &Bound<'py, PyAny>,
+    k: usize,
+    n: usize,
+    group_size: usize,
+) -> PyResult<(GridSpec, Vec<QMeta>)> {
+    let s = GridSpec {
+        bits: 4,
+        group_size,
+        symmetric: false,
+    };
+    pack::check_pack_shape(k, n, &s).map_err(|e| core_err(py, e))?;
+    let q = Tensor::extract("qmeta", qmeta)?;
+    check_qmeta(&q, n, k / group_size, "(N, K/group_size, 4)")?;
+    Ok((s, qmeta_vec(&q)))
+}
+
+fn awq_out<'py>(
+    py: Python<'py>,
+    a: pack::AwqTensors,
+    k: usize,
+    n: usize,
+    g: usize,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    Ok((
+        from_vec(py, &a.qweight, &[k, n / 8], DType::I32)?,
+        from_vec(py, &a.qzeros, &[k / g, n / 8], DType::I32)?,
+        from_vec(py, &a.scales, &[k / g, n], DType::F16)?,
+    ))
+}
+
+type Three<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>);
+
+/// Packs codes `(K, N)` with the grid `(N, K/G, 4)` into vLLM AWQ `(qweight, qzeros, scales)`.
+#[pyfunction]
+pub fn pack_awq<'py>(
+    py: Python<'py>,
+    codes: &Bound<'py, PyAny>,
+    qmeta: &Bound<'py, PyAny>,
+    group_size: usize,
+) -> PyResult<Three<'py>> {
+    let c = codes_tensor(codes)?;
+    let (k, n) = (c.shape[0], c.shape[1]);
+    let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
+    // SAFETY: uint8 checked.
+    let cv: &[u8] = unsafe { c.slice() };
+    let a = detach_guarded(py, "pack_awq", || pack::pack_awq(cv, &qm, k, n, &s))?
+        .map_err(|e| core_err(py, e))?;
+    awq_out(py, a, k, n, group_size)
+}
+
+/// Fused round-to-nearest quantize + AWQ pack of `weight (N, K)` on its grid.
+#[pyfunction]
+pub fn quantize_pack_awq<'py>(
+    py: Python<'py>,
+    weight: &Bound<'py, PyAny>,
+    qmeta: &Bound<'py, PyAny>,
+    group_size: usize,
+) -> PyResult<Three<'py>> {
+    let w = weight_2d("weight", weight)?;
+    let (n, k) = (w.shape[0], w.shape[1]);
+    let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
+    let r = with_elements!(w, |x| detach_guarded(py, "quantize_pack_awq", || {
+        pack::quantize_pack_awq(x, &qm, n, k, &s)
+    })?);
+    let a = r.map_err(|e| core_err(py, e))?;
+    awq_out(py, a, k, n, group_size)
+}
+
+struct Packed<'py> {
+    k: usize,
+    n: usize,
+    qweight: &'static [i32],
+    qzeros: &'static [i32],
+    _keep: (Tensor<'py>, Tensor<'py>),
+}
+
+fn packed<'py>(
+    py: Python<'py>,
+    qweight: &Bound<'py, PyAny>,
+    qzeros: &Bound<'py, PyAny>,
+    group_size: usize,
+    gptq_layout: bool,
+) -> PyResult<Packed<'py>> {
+    let qw = Tensor::extract("qweight", qweight)?;
+    let qz = Tensor::extract("qzeros", qzeros)?;
+    for t in [&qw, &qz] {
+        t.require_cpu()?;
+        t.require_dtype(&[DType::I32])?;
+        t.require_ndim(2, "")?;
+    }
+    let (k, n) = if gptq_layout {
+        (qw.shape[0] * 8, qw.shape[1])
+    } else {
+        (qw.shape[0], qw.shape[1] * 8)
+    };
+    if group_size == 0 || k % group_size != 0 {
+        return Err(raise(
+            py,
+            "ShapeError",
+            format!("group_size: must divide in_features {k}, got {group_size}"),
+        ));
+    }
+    qz.require_shape(&[k / group_size, n / 8], "(K/group_size, N/8)")?;
+    // SAFETY: int32 checked.
+    let (a, b) = unsafe { (qw.slice(), qz.slice()) };
+    Ok(Packed {
+        k,
+        n,
+        qweight: a,
+        qzeros: b,
+        _keep: (qw, qz),
+    })
+}
+
+fn scales_slice<'py>(
+    scales: &Bound<'py, PyAny>,
+    k: usize,
+    n: usize,
+    g: usize,
+) -> PyResult<(Tensor<'py>, &'static [f16])> {
+    let s = Tensor::extract("scales", scales)?;
+    s.require_cpu()?;
+    s.require_dtype(&[DType::F16])?;
+    s.require_shape(&[k / g, n], "(K/group_size, N)")?;
+    // SAFETY: f16 checked.
+    let v = unsafe { s.slice() };
+    Ok((s, v))
+}
+
+/// Unpacks AWQ `(qweight, qzeros)` into `(codes (K, N), zeros (K/G, N))` uint8.
+#[pyfunction]
+pub fn unpack_awq<'py>(
+    py: Python<'py>,
+    qweight: &Bound<'py, PyAny>,
+    qzeros: &Bound<'py, PyAny>,
+    group_size: usize,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let p = packed(py, qweight, qzeros, group_size, false)?;
+    let (k, n) = (p.k, p.n);
+    let (c, z) = detach_guarded(py, "unpack_awq", || {
+        pack::unpack_awq(p.qweight, p.qzeros, k, n, group_size)
+    })?
+    .map_err(|e| core_err(py, e))?;
+    Ok((
+        from_vec(py, &c, &[k, n], DType::U8)?,
+        from_vec(py, &z, &[k / group_size, n], DType::U8)?,
+    ))
+}
+
+/// Dequantizes an AWQ layer to `W (N, K)` float32.
+#[pyfunction]
+pub fn dequantize_awq<'py>(
+    py: Python<'py>,
+    qweight: &Bound<'py, PyAny>,
+    qzeros: &Bound<'py, PyAny>,
+    scales: &Bound<'py, PyAny>,
+    group_size: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let p = packed(py, qweight, qzeros, group_size, false)?;
+    let (k, n) = (p.k, p.n);
+    let (_s, sv) = scales_slice(scales, k, n, group_size)?;
+    let w = detach_guarded(py, "dequantize_awq", || {
+        matmul::dequantize_awq(p.qweight, p.qzeros, sv, k, n, group_size)
+    })?
+    .map_err(|e| core_err(py, e))?;
+    from_vec(py, &w, &[n, k], DType::F32)
+}
+
+/// `y (M, N) = x (M, K) · dequant(W)ᵀ` for an AWQ layer (float32 reference on the CPU).
+#[pyfunction]
+pub fn awq_matmul<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    qweight: &Bound<'py, PyAny>,
+    qzeros: &Bound<'py, PyAny>,
+    scales: &Bound<'py, PyAny>,
+    group_size: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let p = packed(py, qweight, qzeros, group_size, false)?;
+    let (k, n) = (p.k, p.n);
+    let (_s, sv) = scales_slice(scales, k, n, group_size)?;
+    let xt = Tensor::extract("x", x)?;
+    xt.require_cpu()?;
+    xt.require_dtype(&[DType::F32])?;
+    xt.require_ndim(2, "(M, K)")?;
+    if xt.shape[1] != k {
+        return Err(raise(
+            py,
+            "ShapeError",
+            format!(
+                "x: expected (M, {k}) to match qweight's in_features, got {:?}",
+                xt.shape
+            ),
+        ));
+    }
+    let m = xt.shape[0];
+    // SAFETY: f32 checked.
+    let xv: &[f32] = unsafe { xt.slice() };
+    let y = detach_guarded(py, "awq_matmul", || {
+        matmul::w4a16_awq(xv, m, p.qweight, p.qzeros, sv, k, n, group_size)
+    })?
+    .map_err(|e| core_err(py, e))?;
+    from_vec(py, &y, &[m, n], DType::F32)
+}
+
+/// Packs codes `(K, N)` with the grid into GPTQ v1 `(qweight, qzeros, scales, g_idx)`.
+#[pyfunction]
+pub fn pack_gptq<'py>(
+    py: Python<'py>,
+    codes: &Bound<'py, PyAny>,
+    qmeta: &Bound<'py, PyAny>,
+    group_size: usize,
+) -> PyResult<(
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+)> {
+    let c = codes_tensor(codes)?;
+    let (k, n) = (c.shape[0], c.shape[1]);
+    let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
+    // SAFETY: uint8 checked.
+    let cv: &[u8] = unsafe { c.slice() };
+    let g = detach_guarded(py, "pack_gptq", || pack::pack_gptq(cv, &qm, k, n, &s))?
+        .map_err(|e| core_err(py, e))?;
+    Ok((
+        from_vec(py, &g.qweight, &[k / 8, n], DType::I32)?,
+        from_vec(py, &g.qzeros, &[k / group_size, n / 8], DType::I32)?,
+        from_vec(py, &g.scales, &[k / group_size, n], DType::F16)?,
+        from_vec(py, &g.g_idx, &[k], DType::I32)?,
+    ))
+}
+
+/// Unpacks GPTQ v1 `(qweight, qzeros)` into `(codes (K, N), zeros (K/G, N))` uint8.
+#[pyfunction]
+pub fn unpack_gptq<'py>(
+    py: Python<'py>,
+    qweight: &Bound<'py, PyAny>,
+    qzeros: &Bound<'py, PyAny>,
+    group_size: usize,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let p = packed(py, qweight, qzeros, group_size, true)?;
+    let (k, n) = (p.k, p.n);
+    let (c, z) = detach_guarded(py, "unpack_gptq", || {
+        pack::unpack_gptq(p.qweight, p.qzeros, k, n, group_size)
+    })?
+    .map_err(|e| core_err(py, e))?;
+    Ok((
+        from_vec(py, &c, &[k, n], DType::U8)?,
+        from_vec(py, &z, &[k / group_size, n], DType::U8)?,
+    ))
+}
+
+/// Dequantizes a GPTQ v1 layer to `W (N, K)` float32.
+#[pyfunction]
+pub fn dequantize_gptq<'py>(
+    py: Python<'py>,
+    qweight: &Bound<'py, PyAny>,
+    qzeros: &Bound<'py, PyAny>,
+    scales: &Bound<'py, PyAny>,
+    g_idx: &Bound<'py, PyAny>,
+    group_size: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let p = packed(py, qweight, qzeros, group_size, true)?;
+    let (k, n) = (p.k, p.n);
+    let (_s, sv) = scales_slice(scales, k, n, group_size)?;
+    let gi = Tensor::extract("g_idx", g_idx)?;
+    gi.require_cpu()?;
+    gi.require_dtype(&[DType::I32])?;
+    gi.require_shape(&[k], "(K,)")?;
+    // SAFETY: int32 checked.
+    let gv: &[i32] = unsafe { gi.slice() };
+    let w = detach_guarded(py, "dequantize_gptq", || {
+        matmul::dequantize_gptq(p.qweight, p.qzeros, sv, gv, k, n, group_size)
+    })?
+    .map_err(|e| core_err(py, e))?;
+    from_vec(py, &w, &[n, k], DType::F32)
+}

@@ -1,0 +1,213 @@
+//! Zero-copy views of torch tensors (read through `data_ptr()`), and output allocation
+//! with `torch.empty`, so the extension links against nothing but Python.
+
+use crate::errors::raise;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// Element types that cross the boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    F8E4M3,
+    U8,
+    I32,
+    I64,
+    Bool,
+}
+
+impl DType {
+    pub fn from_torch(s: &str) -> Option<Self> {
+        Some(match s {
+            "torch.float32" => DType::F32,
+            "torch.float16" => DType::F16,
+            "torch.bfloat16" => DType::BF16,
+            "torch.float8_e4m3fn" => DType::F8E4M3,
+            "torch.uint8" => DType::U8,
+            "torch.int32" => DType::I32,
+            "torch.int64" => DType::I64,
+            "torch.bool" => DType::Bool,
+            _ => return None,
+        })
+    }
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F8E4M3 => "float8_e4m3fn",
+            DType::U8 => "uint8",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::Bool => "bool",
+        }
+    }
+}
+
+/// A contiguous tensor argument.
+pub struct Tensor<'py> {
+    pub name: &'static str,
+    pub obj: Bound<'py, PyAny>,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub device: String,
+    pub ptr: usize,
+}
+
+impl<'py> Tensor<'py> {
+    /// Reads a torch tensor argument; non-contiguous tensors are made contiguous (a copy).
+    pub fn extract(name: &'static str, obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let py = obj.py();
+        let is_tensor = py
+            .import("torch")
+            .and_then(|t| t.getattr("Tensor"))
+            .and_then(|t| obj.is_instance(&t))
+            .unwrap_or(false);
+        if !is_tensor {
+            let ty = obj
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default();
+            return Err(raise(
+                py,
+                "DTypeError",
+                format!("{name}: expected a torch.Tensor, got {ty}"),
+            ));
+        }
+        let mut obj = obj.clone();
+        if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+            obj = obj.call_method0("contiguous")?;
+        }
+        let dstr = obj.getattr("dtype")?.str()?.to_string();
+        let dtype = DType::from_torch(&dstr).ok_or_else(|| {
+            raise(
+                py,
+                "DTypeError",
+                format!("{name}: unsupported dtype {dstr}"),
+            )
+        })?;
+        let shape: Vec<usize> = obj.getattr("shape")?.extract()?;
+        let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
+        let ptr: usize = obj.call_method0("data_ptr")?.extract()?;
+        Ok(Tensor {
+            name,
+            obj,
+            dtype,
+            shape,
+            device,
+            ptr,
+        })
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Errors unless the tensor lives on the CPU (the CUDA path dispatches before this).
+    pub fn require_cpu(&self) -> PyResult<()> {
+        if self.device != "cpu" {
+            return Err(raise(
+                self.obj.py(),
+                "DeviceError",
+                format!(
+                    "{}: expected a CPU tensor, got device {}",
+                    self.name, self.device
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn require_dtype(&self, allowed: &[DType]) -> PyResult<()> {
+        if !allowed.contains(&self.dtype) {
+            let names: Vec<_> = allowed
+                .iter()
+                .map(|d| format!("torch.{}", d.torch_name()))
+                .collect();
+            return Err(raise(
+                self.obj.py(),
+                "DTypeError",
+                format!(
+                    "{}: expected dtype {}, got torch.{}",
+                    self.name,
+                    names.join(" or "),
+                    self.dtype.torch_name()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn require_ndim(&self, ndim: usize, what: &str) -> PyResult<()> {
+        if self.shape.len() != ndim {
+            return Err(raise(
+                self.obj.py(),
+                "ShapeError",
+                format!(
+                    "{}: expected a {ndim}-D tensor {what}, got shape {:?}",
+                    self.name, self.shape
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn require_shape(&self, want: &[usize], what: &str) -> PyResult<()> {
+        if self.shape != want {
+            return Err(raise(
+                self.obj.py(),
+                "ShapeError",
+                format!(
+                    "{}: expected shape {want:?} {what}, got {:?}",
+                    self.name, self.shape
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Borrow the CPU data as a slice of `T` (caller checked dtype and device).
+    ///
+    /// # Safety
+    /// `T` must match the dtype; the tensor must stay alive and unmodified while used.
+    pub unsafe fn slice<T>(&self) -> &'static [T] {
+        let n = self.numel();
+        if n == 0 {
+            return &[];
+        }
+        // SAFETY: contiguous CPU tensor of n elements of T, kept alive by self.obj.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const T, n) }
+    }
+}
+
+/// `torch.empty(shape, dtype=...)` on the CPU, plus a pointer to its data.
+pub fn empty<'py>(
+    py: Python<'py>,
+    shape: &[usize],
+    dtype: DType,
+) -> PyResult<(Bound<'py, PyAny>, usize)> {
+    let torch = py.import("torch")?;
+    let kw = PyDict::new(py);
+    kw.set_item("dtype", torch.getattr(dtype.torch_name())?)?;
+    let t = torch.call_method("empty", (shape.to_vec(),), Some(&kw))?;
+    let ptr: usize = t.call_method0("data_ptr")?.extract()?;
+    Ok((t, ptr))
+}
+
+/// Allocates a CPU tensor and copies `data` into it.
+pub fn from_vec<'py, T: Copy>(
+    py: Python<'py>,
+    data: &[T],
+    shape: &[usize],
+    dtype: DType,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (t, ptr) = empty(py, shape, dtype)?;
+    if !data.is_empty() {
+        // SAFETY: torch.empty allocated exactly shape.product() elements of this dtype.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr as *mut T, data.len()) };
+    }
+    Ok(t)
+}

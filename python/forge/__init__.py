@@ -1,0 +1,52 @@
+"""4bit-forge: streamed 4-bit (W4A16) GPTQ/AWQ quantization of giant MoE LLMs.
+
+The heavy maths runs in Rust (``forge._native``); this package is the Python surface.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from ._native import __version__
+from .gptq import GPTQ
+from .quant import (
+    GPTQResult,
+    HessianFactor,
+    awq_matmul,
+    build_quant_grid,
+    decode_qmeta,
+    dequantize_awq,
+    dequantize_gptq,
+    encode_qmeta,
+    gptq_quantize,
+    gptq_solve,
+    pack_awq,
+    pack_gptq,
+    prepare_hessian,
+    quantize_pack_awq,
+    quantize_rtn,
+    unpack_awq,
+    unpack_gptq,
+)
+
+__all__ = [
+    "__version__",
+    "errors",
+    "GPTQ",
+    "GPTQResult",
+    "HessianFactor",
+    "awq_matmul",
+    "build_quant_grid",
+    "decode_qmeta",
+    "dequantize_awq",
+    "dequantize_gptq",
+    "encode_qmeta",
+    "gptq_quantize",
+    "gptq_solve",
+    "pack_awq",
+    "pack_gptq",
+    "prepare_hessian",
+    "quantize_pack_awq",
+    "quantize_rtn",
+    "unpack_awq",
+    "unpack_gptq",
+]
