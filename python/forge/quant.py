@@ -72,7 +72,7 @@ def quantize_rtn(weight: torch.Tensor, qmeta: torch.Tensor, bits: int = 4, group
 
 def encode_qmeta(scale: torch.Tensor, zero: torch.Tensor, symmetric: torch.Tensor | bool) -> torch.Tensor:
     """Encodes float32 scales, uint8 zero points and symmetric flags into ``(..., 4)`` uint8."""
-    if isinstance(symmetric, bool):
+    if isinstance(symmetric, bool) and isinstance(scale, torch.Tensor):
         symmetric = torch.full(scale.shape, symmetric, dtype=torch.bool)
     return _native.encode_qmeta(scale, zero, symmetric)
 
@@ -155,6 +155,11 @@ def gptq_quantize(
 ) -> GPTQResult:
     """Grid + Hessian preparation + solve for one linear ``weight (N, K)`` with ``H (K, K)``."""
     qmeta, _, _ = build_quant_grid(weight, group_size, bits, symmetric, mode, **grid_kwargs)
+    k = weight.shape[1]
+    if isinstance(hessian, torch.Tensor) and tuple(hessian.shape) != (k, k):
+        from .errors import ShapeError
+
+        raise ShapeError(f"hessian: expected ({k}, {k}) for weight {tuple(weight.shape)}, got {tuple(hessian.shape)}")
     factor = prepare_hessian(hessian, percdamp, act_order)
     codes, deq_t = gptq_solve(
         weight.t().contiguous(), factor.hinv_chol, qmeta, bits, group_size, block_size, factor.perm
@@ -200,6 +205,9 @@ def awq_matmul(
     The result has ``x``'s dtype. On the CPU this is the reference path (dequantise, then
     GEMM in float32).
     """
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        # let the native layer name the problem (type, or "expected (M, K)")
+        return _native.awq_matmul(x, qweight, qzeros, scales, group_size)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
     y = _native.awq_matmul(x2, qweight, qzeros, scales, group_size)

@@ -8,6 +8,7 @@ use crate::grid::GridSpec;
 use crate::qmeta::{GroupParams, QMeta};
 use faer::linalg::solvers::DenseSolveCore;
 use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 /// Extra damping attempts (×10 each) when the Cholesky factorisation fails.
@@ -154,18 +155,18 @@ pub fn solve(
             format!("{c}x{r}"),
         ));
     }
-    check_len("weight", weight_t.len(), c, r)?;
-    check_len("hessian_inv", hinv_chol.len(), c, c)?;
+    check_len("weight_t", weight_t.len(), c, r)?;
+    check_len("hinv_chol", hinv_chol.len(), c, c)?;
     let ng = spec.groups(c);
     check_len("qmeta", qmeta.len(), r, ng)?;
     if block_size == 0 {
         return Err(Error::param("block_size", "must be positive", block_size));
     }
-    check_finite("weight", weight_t)?;
-    check_finite("hessian_inv", hinv_chol)?;
+    check_finite("weight_t", weight_t)?;
+    check_finite("hinv_chol", hinv_chol)?;
     if let Some(i) = (0..c).find(|&i| hinv_chol[i * c + i] <= 0.0) {
         return Err(Error::param(
-            "hessian_inv",
+            "hinv_chol",
             format!("diagonal must be positive (an upper Cholesky factor); entry {i} is not"),
             hinv_chol[i * c + i],
         ));
@@ -223,33 +224,17 @@ pub fn solve(
                     let d = hinv_chol[j * c + j];
                     // SAFETY: each task touches only columns [r0, r1) of the block rows.
                     unsafe {
-                        let wrow =
-                            std::slice::from_raw_parts_mut(w_ptr.get().add(jj * r + r0), r1 - r0);
-                        let erow =
-                            std::slice::from_raw_parts_mut(e_ptr.get().add(jj * r + r0), r1 - r0);
-                        let qrow =
-                            std::slice::from_raw_parts_mut(q_ptr.get().add(jj * r + r0), r1 - r0);
-                        for t in 0..(r1 - r0) {
-                            let p = &params[t];
-                            let x = wrow[t];
-                            let q = p.code(x);
-                            let xq = p.dequant(q);
-                            qrow[t] = q as u8;
-                            erow[t] = (x - xq) / d;
-                            wrow[t] = xq;
-                        }
+                        let wrow = std::slice::from_raw_parts_mut(w_ptr.get().add(jj * r + r0), r1 - r0);
+                        let erow = std::slice::from_raw_parts_mut(e_ptr.get().add(jj * r + r0), r1 - r0);
+                        let qrow = std::slice::from_raw_parts_mut(q_ptr.get().add(jj * r + r0), r1 - r0);
+                        quantize_row(wrow, erow, qrow, &params, d);
                         for kk in (jj + 1)..bsz {
                             let coef = hinv_chol[j * c + i1 + kk];
                             if coef == 0.0 {
                                 continue;
                             }
-                            let krow = std::slice::from_raw_parts_mut(
-                                w_ptr.get().add(kk * r + r0),
-                                r1 - r0,
-                            );
-                            for t in 0..(r1 - r0) {
-                                krow[t] -= coef * erow[t];
-                            }
+                            let krow = std::slice::from_raw_parts_mut(w_ptr.get().add(kk * r + r0), r1 - r0);
+                            axpy_neg(krow, coef, erow);
                         }
                     }
                 }
@@ -276,6 +261,26 @@ pub fn solve(
         out_codes[s * r..(s + 1) * r].copy_from_slice(&codes[j * r..(j + 1) * r]);
     }
     Ok(out_codes)
+}
+
+/// Quantizes one row segment: codes, dequantized values and the scaled error `(w − ŵ)/d`.
+#[multiversion(targets("x86_64+avx2+fma", "x86_64+sse4.1"))]
+fn quantize_row(w: &mut [f32], err: &mut [f32], codes: &mut [u8], params: &[GroupParams], d: f32) {
+    for (((x, e), q), p) in w.iter_mut().zip(err.iter_mut()).zip(codes.iter_mut()).zip(params) {
+        let c = p.code(*x);
+        let xq = p.dequant(c);
+        *q = c as u8;
+        *e = (*x - xq) / d;
+        *x = xq;
+    }
+}
+
+/// `y -= a * x`.
+#[multiversion(targets("x86_64+avx2+fma", "x86_64+sse4.1"))]
+fn axpy_neg(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y -= a * *x;
+    }
 }
 
 #[derive(Clone, Copy)]

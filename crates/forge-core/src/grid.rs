@@ -5,6 +5,7 @@ use crate::dtype::{check_finite, Element};
 use crate::error::{check_len, Error, Result};
 use crate::pmath::pow_p;
 use crate::qmeta::{QMeta, FLAG_SYMMETRIC};
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 /// Added to every range-based scale so that an all-zero group has a positive scale.
@@ -117,9 +118,12 @@ impl MseSpec {
 #[inline]
 fn load_group<T: Element>(row: &[T], g: usize, group_size: usize, buf: &mut [f32]) {
     let start = g * group_size;
-    for (i, b) in buf.iter_mut().enumerate() {
-        *b = row.get(start + i).map_or(0.0, |v| v.to_f32());
+    let end = (start + group_size).min(row.len());
+    let n = end - start;
+    for (b, v) in buf[..n].iter_mut().zip(&row[start..end]) {
+        *b = v.to_f32();
     }
+    buf[n..].fill(0.0);
 }
 
 /// Range-based metadata of one group (padding included).
@@ -156,6 +160,34 @@ fn check_inputs<T: Element>(x: &[T], rows: usize, cols: usize, spec: &GridSpec) 
     check_finite("weight", x)
 }
 
+#[multiversion(targets("x86_64+avx2+fma", "x86_64+sse4.1"))]
+fn range_row<T: Element>(row: &[T], meta_row: &mut [QMeta], spec: &GridSpec, buf: &mut [f32]) {
+    for (g, m) in meta_row.iter_mut().enumerate() {
+        load_group(row, g, spec.group_size, buf);
+        *m = range_meta(buf, spec);
+    }
+}
+
+#[multiversion(targets("x86_64+avx2+fma", "x86_64+sse4.1"))]
+fn mse_row<T: Element>(row: &[T], meta_row: &mut [QMeta], spec: &GridSpec, cands: &[f32], norm: f32, buf: &mut [f32]) {
+    for (g, m) in meta_row.iter_mut().enumerate() {
+        load_group(row, g, spec.group_size, buf);
+        *m = mse_refine_group(buf, *m, spec.bits, cands, norm);
+    }
+}
+
+#[multiversion(targets("x86_64+avx2+fma", "x86_64+sse4.1"))]
+fn rtn_row<T: Element>(row: &[T], meta_row: &[QMeta], spec: &GridSpec, out: &mut [u8]) {
+    let cols = row.len();
+    for (g, m) in meta_row.iter().enumerate() {
+        let p = m.params(spec.bits);
+        let end = ((g + 1) * spec.group_size).min(cols);
+        for c in g * spec.group_size..end {
+            out[c] = p.code(row[c].to_f32()) as u8;
+        }
+    }
+}
+
 /// Range-based grid of a row-major `[rows, cols]` tensor: `rows * groups(cols)` qmeta.
 pub fn build_range<T: Element>(
     x: &[T],
@@ -168,32 +200,33 @@ pub fn build_range<T: Element>(
     let mut out = vec![QMeta(0); rows * ng];
     out.par_chunks_mut(ng)
         .zip(x.par_chunks(cols))
-        .for_each_init(
-            || vec![0f32; spec.group_size],
-            |buf, (meta_row, row)| {
-                for (g, m) in meta_row.iter_mut().enumerate() {
-                    load_group(row, g, spec.group_size, buf);
-                    *m = range_meta(buf, spec);
-                }
-            },
-        );
+        .for_each_init(|| vec![0f32; spec.group_size], |buf, (meta_row, row)| range_row(row, meta_row, spec, buf));
     Ok(out)
 }
 
 /// Loss of one candidate scale on one group, in the fixed lane order of `docs/numerics.md`.
+/// `group.len()` is a multiple of [`LANES`] (groups are padded).
 #[inline]
 pub fn candidate_loss(group: &[f32], scale: f32, zero: f32, maxq: f32, norm: f32) -> f32 {
     let inv = 1.0 / scale;
     let mut lanes = [0f32; LANES];
-    for (i, &x) in group.iter().enumerate() {
+    let err = |x: f32| {
         let q = (x * inv + zero).round_ties_even().clamp(0.0, maxq);
-        let e = (q - zero) * scale - x;
-        let l = if norm == 2.0 {
-            e * e
-        } else {
-            pow_p(e.abs(), norm)
-        };
-        lanes[i % LANES] += l;
+        (q - zero) * scale - x
+    };
+    if norm == 2.0 {
+        for chunk in group.chunks_exact(LANES) {
+            for (acc, &x) in lanes.iter_mut().zip(chunk) {
+                let e = err(x);
+                *acc += e * e;
+            }
+        }
+    } else {
+        for chunk in group.chunks_exact(LANES) {
+            for (acc, &x) in lanes.iter_mut().zip(chunk) {
+                *acc += pow_p(err(x).abs(), norm);
+            }
+        }
     }
     let mut off = LANES / 2;
     while off > 0 {
@@ -239,15 +272,9 @@ pub fn refine_mse<T: Element>(
     qmeta
         .par_chunks_mut(ng)
         .zip(x.par_chunks(cols))
-        .for_each_init(
-            || vec![0f32; spec.group_size],
-            |buf, (meta_row, row)| {
-                for (g, m) in meta_row.iter_mut().enumerate() {
-                    load_group(row, g, spec.group_size, buf);
-                    *m = mse_refine_group(buf, *m, spec.bits, &cands, mse.norm);
-                }
-            },
-        );
+        .for_each_init(|| vec![0f32; spec.group_size], |buf, (meta_row, row)| {
+            mse_row(row, meta_row, spec, &cands, mse.norm, buf)
+        });
     Ok(())
 }
 
@@ -289,16 +316,11 @@ pub fn quantize_rtn<T: Element>(
     check_len("qmeta", qmeta.len(), rows, ng)?;
     // codes_t[c][r]: compute row by row, then transpose in tiles.
     let mut codes = vec![0u8; rows * cols];
-    codes.par_chunks_mut(cols).enumerate().for_each(|(r, out)| {
-        let row = &x[r * cols..(r + 1) * cols];
-        for g in 0..ng {
-            let p = qmeta[r * ng + g].params(spec.bits);
-            let end = ((g + 1) * spec.group_size).min(cols);
-            for c in g * spec.group_size..end {
-                out[c] = p.code(row[c].to_f32()) as u8;
-            }
-        }
-    });
+    codes
+        .par_chunks_mut(cols)
+        .zip(x.par_chunks(cols))
+        .zip(qmeta.par_chunks(ng))
+        .for_each(|((out, row), meta_row)| rtn_row(row, meta_row, spec, out));
     Ok(transpose_u8(&codes, rows, cols))
 }
 

@@ -90,7 +90,15 @@ pub fn scales_and_zeros(
     for row in 0..n {
         for g in 0..ng {
             let m = qmeta[row * ng + g];
-            zeros[g * n + row] = m.zero_point(spec.bits) as u8;
+            let z = m.zero_point(spec.bits);
+            if z > spec.maxq() {
+                return Err(Error::param(
+                    "qmeta",
+                    format!("zero point of output {row}, group {g} must be <= {} for {}-bit codes", spec.maxq(), spec.bits),
+                    z,
+                ));
+            }
+            zeros[g * n + row] = z as u8;
             scales[g * n + row] = scale16(m, row, g)?;
         }
     }

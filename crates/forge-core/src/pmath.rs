@@ -13,24 +13,18 @@ fn pow2i(e: i32) -> f32 {
     f32::from_bits(((e + 127) as u32) << 23)
 }
 
-/// log2 of a positive finite `a` (≤ 0 gives −inf, not used by callers).
-#[inline]
+/// log2 of a positive finite `a` (≤ 0 gives −inf, not used by callers). Written with
+/// selects instead of branches so that it vectorises.
+#[inline(always)]
 pub fn log2_poly(a: f32) -> f32 {
-    if a <= 0.0 {
-        return f32::NEG_INFINITY;
-    }
-    let mut bits = a.to_bits();
-    let mut e = 0i32;
-    if (bits >> 23) & 0xFF == 0 {
-        bits = (a * 8_388_608.0).to_bits();
-        e = -23;
-    }
-    e += ((bits >> 23) & 0xFF) as i32 - 127;
-    let mut m = f32::from_bits((bits & 0x007F_FFFF) | 0x3F80_0000);
-    if m > SQRT2 {
-        m *= 0.5;
-        e += 1;
-    }
+    let sub = (a.to_bits() >> 23) & 0xFF == 0;
+    let a2 = if sub { a * 8_388_608.0 } else { a };
+    let bits = a2.to_bits();
+    let e0 = ((bits >> 23) & 0xFF) as i32 - 127 - if sub { 23 } else { 0 };
+    let m0 = f32::from_bits((bits & 0x007F_FFFF) | 0x3F80_0000);
+    let big = m0 > SQRT2;
+    let m = if big { m0 * 0.5 } else { m0 };
+    let e = if big { e0 + 1 } else { e0 };
     let t = (m - 1.0) / (m + 1.0);
     let t2 = t * t;
     // atanh series: t + t^3/3 + t^5/5 + t^7/7 + t^9/9
@@ -39,21 +33,21 @@ pub fn log2_poly(a: f32) -> f32 {
     let s = s * t2 + 0.2;
     let s = s * t2 + 0.333_333_34;
     let s = s * t2 + 1.0;
-    (e as f32) + (t * s) * TWO_OVER_LN2
+    let r = (e as f32) + (t * s) * TWO_OVER_LN2;
+    if a <= 0.0 {
+        f32::NEG_INFINITY
+    } else {
+        r
+    }
 }
 
-/// 2^y for finite `y` (underflows to 0 below −149, overflows to +inf at 128).
-#[inline]
+/// 2^y for finite `y` (underflows to 0 below −150, overflows to +inf at 128).
+#[inline(always)]
 pub fn exp2_poly(y: f32) -> f32 {
-    if y >= 128.0 {
-        return f32::INFINITY;
-    }
-    if y < -150.0 {
-        return 0.0;
-    }
-    let n = y.round_ties_even();
-    let x = (y - n) * LN2; // |x| <= 0.347
-                           // exp(x), Taylor to x^8
+    let yc = y.clamp(-150.0, 127.0);
+    let n = yc.round_ties_even();
+    let x = (yc - n) * LN2; // |x| <= 0.347
+    // exp(x), Taylor to x^8
     let p = 2.480_158_7e-5f32; // 1/8!
     let p = p * x + 1.984_127e-4; // 1/7!
     let p = p * x + 1.388_888_9e-3; // 1/6!
@@ -63,23 +57,28 @@ pub fn exp2_poly(y: f32) -> f32 {
     let p = p * x + 0.5;
     let p = p * x + 1.0;
     let p = p * x + 1.0;
-    let n = n as i32;
-    if n < -126 {
-        (p * pow2i(n + 64)) * pow2i(-64)
-    } else if n > 127 {
-        (p * pow2i(n - 1)) * 2.0
+    let n = n as i32; // -150..=127
+    let low = n < -126;
+    let scale1 = pow2i(if low { n + 64 } else { n });
+    let scale2 = if low { pow2i(-64) } else { 1.0 };
+    let r = (p * scale1) * scale2;
+    if y >= 128.0 {
+        f32::INFINITY
+    } else if y < -150.0 {
+        0.0
     } else {
-        p * pow2i(n)
+        r
     }
 }
 
 /// `a^p` for `a >= 0`: 0 for `a == 0`, else `exp2_poly(p * log2_poly(a))`.
-#[inline]
+#[inline(always)]
 pub fn pow_p(a: f32, p: f32) -> f32 {
+    let r = exp2_poly(p * log2_poly(a));
     if a == 0.0 {
         0.0
     } else {
-        exp2_poly(p * log2_poly(a))
+        r
     }
 }
 

@@ -36,7 +36,16 @@ macro_rules! with_elements {
     }};
 }
 
-fn spec(py: Python<'_>, bits: u8, group_size: usize, symmetric: bool) -> PyResult<GridSpec> {
+/// Converts a Python integer argument to an unsigned size, naming it on failure.
+pub fn size_arg(py: Python<'_>, name: &str, v: i64, min: i64, max: i64) -> PyResult<usize> {
+    if v < min || v > max {
+        return Err(raise(py, "InvalidValueError", format!("{name}: must be between {min} and {max}, got {v}")));
+    }
+    Ok(v as usize)
+}
+
+fn spec(py: Python<'_>, bits: i64, group_size: usize, symmetric: bool) -> PyResult<GridSpec> {
+    let bits = size_arg(py, "bits", bits, 2, 8)? as u8;
     let s = GridSpec {
         bits,
         group_size,
@@ -80,14 +89,15 @@ fn weight_2d<'py>(name: &'static str, obj: &Bound<'py, PyAny>) -> PyResult<Tenso
 pub fn build_quant_grid<'py>(
     py: Python<'py>,
     weight: &Bound<'py, PyAny>,
-    group_size: usize,
-    bits: u8,
+    group_size: i64,
+    bits: i64,
     symmetric: bool,
     mode: &str,
     quant_max_shrink: f32,
-    quant_n_grid: usize,
+    quant_n_grid: i64,
     quant_norm: f32,
 ) -> PyResult<(Bound<'py, PyAny>, u32, usize)> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let w = weight_2d("weight", weight)?;
     let s = spec(py, bits, group_size, symmetric)?;
     let gm = match mode {
@@ -95,7 +105,7 @@ pub fn build_quant_grid<'py>(
         "mse" => {
             let m = MseSpec {
                 max_shrink: quant_max_shrink,
-                n_grid: quant_n_grid,
+                n_grid: size_arg(py, "quant_n_grid", quant_n_grid, 1, 1024)?,
                 norm: quant_norm,
             };
             m.validate().map_err(|e| core_err(py, e))?;
@@ -124,9 +134,10 @@ pub fn quantize_rtn<'py>(
     py: Python<'py>,
     weight: &Bound<'py, PyAny>,
     qmeta: &Bound<'py, PyAny>,
-    bits: u8,
-    group_size: usize,
+    bits: i64,
+    group_size: i64,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let w = weight_2d("weight", weight)?;
     let (n, k) = (w.shape[0], w.shape[1]);
     let s = spec(py, bits, group_size, false)?;
@@ -262,15 +273,17 @@ pub fn gptq_solve<'py>(
     weight_t: &Bound<'py, PyAny>,
     hinv_chol: &Bound<'py, PyAny>,
     qmeta: &Bound<'py, PyAny>,
-    bits: u8,
-    group_size: usize,
-    block_size: usize,
+    bits: i64,
+    group_size: i64,
+    block_size: i64,
     perm: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let w = weight_2d("weight", weight_t)?;
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
+    let w = weight_2d("weight_t", weight_t)?;
+    let block_size = size_arg(py, "block_size", block_size, 1, 1 << 20)?;
     let (c, r) = (w.shape[0], w.shape[1]);
     let s = spec(py, bits, group_size, false)?;
-    let u = Tensor::extract("hessian_inv", hinv_chol)?;
+    let u = Tensor::extract("hinv_chol", hinv_chol)?;
     u.require_cpu()?;
     u.require_dtype(&[DType::F32])?;
     u.require_shape(&[c, c], "(C, C) for weight (C, R)")?;
@@ -366,8 +379,9 @@ pub fn pack_awq<'py>(
     py: Python<'py>,
     codes: &Bound<'py, PyAny>,
     qmeta: &Bound<'py, PyAny>,
-    group_size: usize,
+    group_size: i64,
 ) -> PyResult<Three<'py>> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let c = codes_tensor(codes)?;
     let (k, n) = (c.shape[0], c.shape[1]);
     let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
@@ -384,8 +398,9 @@ pub fn quantize_pack_awq<'py>(
     py: Python<'py>,
     weight: &Bound<'py, PyAny>,
     qmeta: &Bound<'py, PyAny>,
-    group_size: usize,
+    group_size: i64,
 ) -> PyResult<Three<'py>> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let w = weight_2d("weight", weight)?;
     let (n, k) = (w.shape[0], w.shape[1]);
     let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
@@ -463,8 +478,9 @@ pub fn unpack_awq<'py>(
     py: Python<'py>,
     qweight: &Bound<'py, PyAny>,
     qzeros: &Bound<'py, PyAny>,
-    group_size: usize,
+    group_size: i64,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let p = packed(py, qweight, qzeros, group_size, false)?;
     let (k, n) = (p.k, p.n);
     let (c, z) = detach_guarded(py, "unpack_awq", || {
@@ -484,8 +500,9 @@ pub fn dequantize_awq<'py>(
     qweight: &Bound<'py, PyAny>,
     qzeros: &Bound<'py, PyAny>,
     scales: &Bound<'py, PyAny>,
-    group_size: usize,
+    group_size: i64,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let p = packed(py, qweight, qzeros, group_size, false)?;
     let (k, n) = (p.k, p.n);
     let (_s, sv) = scales_slice(scales, k, n, group_size)?;
@@ -504,8 +521,9 @@ pub fn awq_matmul<'py>(
     qweight: &Bound<'py, PyAny>,
     qzeros: &Bound<'py, PyAny>,
     scales: &Bound<'py, PyAny>,
-    group_size: usize,
+    group_size: i64,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let p = packed(py, qweight, qzeros, group_size, false)?;
     let (k, n) = (p.k, p.n);
     let (_s, sv) = scales_slice(scales, k, n, group_size)?;
@@ -539,13 +557,14 @@ pub fn pack_gptq<'py>(
     py: Python<'py>,
     codes: &Bound<'py, PyAny>,
     qmeta: &Bound<'py, PyAny>,
-    group_size: usize,
+    group_size: i64,
 ) -> PyResult<(
     Bound<'py, PyAny>,
     Bound<'py, PyAny>,
     Bound<'py, PyAny>,
     Bound<'py, PyAny>,
 )> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let c = codes_tensor(codes)?;
     let (k, n) = (c.shape[0], c.shape[1]);
     let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
@@ -567,8 +586,9 @@ pub fn unpack_gptq<'py>(
     py: Python<'py>,
     qweight: &Bound<'py, PyAny>,
     qzeros: &Bound<'py, PyAny>,
-    group_size: usize,
+    group_size: i64,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let p = packed(py, qweight, qzeros, group_size, true)?;
     let (k, n) = (p.k, p.n);
     let (c, z) = detach_guarded(py, "unpack_gptq", || {
@@ -589,8 +609,9 @@ pub fn dequantize_gptq<'py>(
     qzeros: &Bound<'py, PyAny>,
     scales: &Bound<'py, PyAny>,
     g_idx: &Bound<'py, PyAny>,
-    group_size: usize,
+    group_size: i64,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let p = packed(py, qweight, qzeros, group_size, true)?;
     let (k, n) = (p.k, p.n);
     let (_s, sv) = scales_slice(scales, k, n, group_size)?;
