@@ -15,9 +15,8 @@ import json
 import math
 import time
 
-import torch
-
 import forge
+import torch
 
 
 def timeit(fn, reps: int = 1) -> float:
@@ -56,7 +55,9 @@ def torch_mse_grid(w: torch.Tensor, g: int, n_grid: int = 100, shrink: float = 0
     return best_s, z
 
 
-def torch_gptq(w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int, block: int = 128):
+def torch_gptq(
+    w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int, block: int = 128
+):
     """The GPTQ authors' blocked 'fasterquant' loop (static groups), on W (N, K)."""
     w = w.clone().float()
     h = h.clone()
@@ -96,6 +97,52 @@ def torch_pack_awq(codes: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def bench_shape(n: int, k: int, g: int, skip_gptq: bool, add) -> None:
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    add(
+        "range grid",
+        (n, k),
+        timeit(lambda: torch_range_grid(w, g), 3),
+        timeit(lambda: forge.build_quant_grid(w, g, 4, False, "range"), 3),
+    )
+    add(
+        "mse grid",
+        (n, k),
+        timeit(lambda: torch_mse_grid(w, g)),
+        timeit(lambda: forge.build_quant_grid(w, g, 4, False, "mse")),
+        "100 candidates, p=2.4",
+    )
+    qmeta, _, _ = forge.build_quant_grid(w, g, 4, False, "range")
+    codes = forge.quantize_rtn(w, qmeta, 4, g)
+    add(
+        "awq pack",
+        (n, k),
+        timeit(lambda: torch_pack_awq(codes), 3),
+        timeit(lambda: forge.pack_awq(codes, qmeta, g), 3),
+        "codes -> qweight/qzeros/scales",
+    )
+    if skip_gptq:
+        return
+    x = torch.randn(4 * k, k) @ (torch.eye(k) + 0.1 * torch.randn(k, k))
+    h = (2 * x.T @ x / x.shape[0]).contiguous()
+    del x
+    wf = w.float()
+    scale, zero, _ = forge.decode_qmeta(qmeta)
+    zero = zero.float()
+
+    def ours():
+        f = forge.prepare_hessian(h, 0.01)
+        forge.gptq_solve(wf.t().contiguous(), f.hinv_chol, qmeta, 4, g, 128, f.perm)
+
+    add(
+        "gptq",
+        (n, k),
+        timeit(lambda: torch_gptq(wf, h, scale, zero, g), 1),
+        timeit(ours, 1),
+        "prepare + solve, B=128",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4x smaller shapes")
@@ -110,37 +157,25 @@ def main() -> None:
     rows = []
 
     def add(op, shape, peer, ours, note=""):
-        rows.append({"op": op, "shape": f"{shape[0]}x{shape[1]}", "torch_s": peer, "forge_s": ours,
-                     "speedup": peer / ours, "note": note})
-        print(f"{op:12s} {shape[0]:>5d}x{shape[1]:<5d} torch {peer:9.4f}s  forge {ours:9.4f}s  "
-              f"x{peer / ours:7.2f} {note}", flush=True)
+        rows.append(
+            {
+                "op": op,
+                "shape": f"{shape[0]}x{shape[1]}",
+                "torch_s": peer,
+                "forge_s": ours,
+                "speedup": peer / ours,
+                "note": note,
+            }
+        )
+        print(
+            f"{op:12s} {shape[0]:>5d}x{shape[1]:<5d} torch {peer:9.4f}s  forge {ours:9.4f}s  "
+            f"x{peer / ours:7.2f} {note}",
+            flush=True,
+        )
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; forge {forge.__version__}")
     for n, k in shapes:
-        w = torch.randn(n, k, dtype=torch.bfloat16)
-        add("range grid", (n, k), timeit(lambda: torch_range_grid(w, g), 3),
-            timeit(lambda: forge.build_quant_grid(w, g, 4, False, "range"), 3))
-        add("mse grid", (n, k), timeit(lambda: torch_mse_grid(w, g)),
-            timeit(lambda: forge.build_quant_grid(w, g, 4, False, "mse")), "100 candidates, p=2.4")
-        qmeta, _, _ = forge.build_quant_grid(w, g, 4, False, "range")
-        codes = forge.quantize_rtn(w, qmeta, 4, g)
-        add("awq pack", (n, k), timeit(lambda: torch_pack_awq(codes), 3),
-            timeit(lambda: forge.pack_awq(codes, qmeta, g), 3), "codes -> qweight/qzeros/scales")
-        if args.skip_gptq:
-            continue
-        x = torch.randn(4 * k, k) @ (torch.eye(k) + 0.1 * torch.randn(k, k))
-        h = (2 * x.T @ x / x.shape[0]).contiguous()
-        del x
-        wf = w.float()
-        scale, zero, _ = forge.decode_qmeta(qmeta)
-        zero = zero.float()
-
-        def ours():
-            f = forge.prepare_hessian(h, 0.01)
-            forge.gptq_solve(wf.t().contiguous(), f.hinv_chol, qmeta, 4, g, 128, f.perm)
-
-        add("gptq", (n, k), timeit(lambda: torch_gptq(wf, h, scale, zero, g), 1) if True else 0,
-            timeit(ours, 1), "prepare + solve, B=128")
+        bench_shape(n, k, g, args.skip_gptq, add)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

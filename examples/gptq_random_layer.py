@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 import forge
+import torch
 
 
 def main() -> None:

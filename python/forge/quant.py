@@ -21,6 +21,7 @@ import torch
 from . import _native
 
 __all__ = [
+    "cuda_status",
     "build_quant_grid",
     "quantize_rtn",
     "encode_qmeta",
@@ -28,6 +29,10 @@ __all__ = [
     "HessianFactor",
     "prepare_hessian",
     "gptq_solve",
+    "gptq_solve_batched",
+    "prepare_hessian_batched",
+    "hessian_update",
+    "hessian_update_segmented",
     "GPTQResult",
     "gptq_quantize",
     "pack_awq",
@@ -39,6 +44,23 @@ __all__ = [
     "unpack_gptq",
     "dequantize_gptq",
 ]
+
+
+def cuda_status() -> dict:
+    """Whether the CUDA kernels are usable here, and why not: ``available``, ``reason``,
+    ``device_name``, ``compute_capability``, ``nvrtc_version``, ``device_count``."""
+    return _native.cuda_status()
+
+
+def _via_cpu(fn, *tensors, **kw):
+    """Runs a CPU-only op on CUDA inputs by a round trip through host memory."""
+    dev = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    if dev is None:
+        return fn(*tensors, **kw)
+    out = fn(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in tensors], **kw)
+    if isinstance(out, tuple):
+        return tuple(o.to(dev) if isinstance(o, torch.Tensor) else o for o in out)
+    return out.to(dev)
 
 
 def build_quant_grid(
@@ -65,21 +87,23 @@ def build_quant_grid(
     )
 
 
-def quantize_rtn(weight: torch.Tensor, qmeta: torch.Tensor, bits: int = 4, group_size: int = 128) -> torch.Tensor:
+def quantize_rtn(
+    weight: torch.Tensor, qmeta: torch.Tensor, bits: int = 4, group_size: int = 128
+) -> torch.Tensor:
     """Round-to-nearest codes of ``weight (N, K)`` on its grid, as ``(K, N)`` uint8."""
-    return _native.quantize_rtn(weight, qmeta, bits, group_size)
+    return _via_cpu(lambda w, q: _native.quantize_rtn(w, q, bits, group_size), weight, qmeta)
 
 
 def encode_qmeta(scale: torch.Tensor, zero: torch.Tensor, symmetric: torch.Tensor | bool) -> torch.Tensor:
     """Encodes float32 scales, uint8 zero points and symmetric flags into ``(..., 4)`` uint8."""
     if isinstance(symmetric, bool) and isinstance(scale, torch.Tensor):
         symmetric = torch.full(scale.shape, symmetric, dtype=torch.bool)
-    return _native.encode_qmeta(scale, zero, symmetric)
+    return _via_cpu(_native.encode_qmeta, scale, zero, symmetric)
 
 
 def decode_qmeta(qmeta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decodes ``(..., 4)`` uint8 into ``(scale float32, zero uint8, symmetric bool)``."""
-    return _native.decode_qmeta(qmeta)
+    return _via_cpu(_native.decode_qmeta, qmeta)
 
 
 class HessianFactor(NamedTuple):
@@ -107,7 +131,80 @@ def prepare_hessian(hessian: torch.Tensor, percdamp: float = 0.01, act_order: bo
     inputs are processed by descending ``diag(H)`` (static groups keep the layout
     g_idx-free).
     """
+    if isinstance(hessian, torch.Tensor) and hessian.is_cuda and hessian.dim() == 2:
+        u, perm, damp, retries, dead = prepare_hessian_batched(hessian[None], percdamp, act_order)
+        return HessianFactor(u[0], None if perm is None else perm[0], damp[0], retries[0], dead[0])
     return HessianFactor(*_native.prepare_hessian(hessian, float(percdamp), bool(act_order)))
+
+
+def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_order: bool = False):
+    """:func:`prepare_hessian` for a batch ``(E, C, C)`` (e.g. one Hessian per expert).
+
+    Returns ``(hinv_chol (E, C, C), perm (E, C) int64 or None, damp list, retries list,
+    dead list)``. CUDA tensors are factorised on the GPU (cuSOLVER through torch.linalg,
+    batched); CPU tensors one by one in Rust (faer). Same algorithm either way.
+    """
+    from .errors import DTypeError, HessianError, InvalidValueError, ShapeError
+
+    if not isinstance(hessian, torch.Tensor):
+        raise DTypeError(f"hessian: expected a torch.Tensor, got {type(hessian).__name__}")
+    if hessian.dim() != 3 or hessian.shape[1] != hessian.shape[2] or hessian.shape[1] == 0:
+        raise ShapeError(f"hessian: expected (E, C, C), got {tuple(hessian.shape)}")
+    if hessian.dtype != torch.float32:
+        raise DTypeError(f"hessian: expected dtype torch.float32, got {hessian.dtype}")
+    if not hessian.is_cuda:
+        fs = [prepare_hessian(h, percdamp, act_order) for h in hessian]
+        perm = torch.stack([f.perm for f in fs]) if act_order else None
+        return (
+            torch.stack([f.hinv_chol for f in fs]),
+            perm,
+            [f.damp for f in fs],
+            [f.retries for f in fs],
+            [f.dead for f in fs],
+        )
+    if not (percdamp >= 0 and percdamp < float("inf")):
+        raise InvalidValueError(f"percdamp: must be a finite number >= 0 (got {percdamp})")
+    if not bool(torch.isfinite(hessian).all()):
+        raise InvalidValueError("hessian: holds NaN or Inf values")
+    e, c, _ = hessian.shape
+    diag = torch.diagonal(hessian, dim1=1, dim2=2)
+    if bool((diag < 0).any()):
+        raise InvalidValueError("hessian: diagonal must be >= 0 (a Hessian is X^T X)")
+    dead_mask = diag == 0
+    dead = dead_mask.sum(1).tolist()
+    fixed = torch.where(dead_mask, torch.ones_like(diag), diag)
+    perm = None
+    h = hessian.clone()
+    torch.diagonal(h, dim1=1, dim2=2).copy_(fixed)
+    if act_order:
+        perm = torch.sort(diag, dim=1, descending=True, stable=True).indices
+        h = torch.gather(
+            torch.gather(h, 1, perm[:, :, None].expand(e, c, c)), 2, perm[:, None, :].expand(e, c, c)
+        )
+    damp = (percdamp * fixed.double().mean(1)).float()
+    damp = torch.where(damp > 0, damp, torch.full_like(damp, torch.finfo(torch.float32).tiny))
+    eye = torch.eye(c, device=h.device, dtype=h.dtype)
+    out = torch.empty_like(h)
+    todo = torch.arange(e, device=h.device)
+    retries = torch.zeros(e, dtype=torch.int64)
+    for attempt in range(7):
+        hd = h[todo] + damp[todo, None, None] * eye
+        lo, info1 = torch.linalg.cholesky_ex(hd)
+        u, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(lo), upper=True)
+        ok = (info1 == 0) & (info2 == 0) & torch.isfinite(u).flatten(1).all(1)
+        ok &= (torch.diagonal(u, dim1=1, dim2=2) > 0).all(1)
+        out[todo[ok]] = u[ok]
+        todo = todo[~ok]
+        if todo.numel() == 0:
+            break
+        if attempt == 6:
+            raise HessianError(
+                f"hessian: Cholesky failed after 6 retries for matrices {todo.tolist()} "
+                "(not positive definite)"
+            )
+        retries[todo.cpu()] += 1
+        damp[todo] *= 10
+    return out, perm, damp.tolist(), retries.tolist(), dead
 
 
 def gptq_solve(
@@ -125,7 +222,57 @@ def gptq_solve(
     :func:`prepare_hessian`; ``qmeta`` is the grid of ``W`` (``(R, ceil(C/group_size), 4)``).
     Returns ``(codes (C, R) uint8, dequantized (C, R) float32)`` in the original order.
     """
+    if isinstance(weight_t, torch.Tensor) and weight_t.is_cuda and weight_t.dim() == 2:
+        if perm is not None:
+            perm = perm[None]
+        codes, deq = gptq_solve_batched(
+            weight_t[None], hinv_chol[None], qmeta[None], bits, group_size, block_size, perm
+        )
+        return codes[0], deq[0]
     return _native.gptq_solve(weight_t, hinv_chol, qmeta, bits, group_size, block_size, perm)
+
+
+def gptq_solve_batched(
+    weight_t: torch.Tensor,
+    hinv_chol: torch.Tensor,
+    qmeta: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    block_size: int = 128,
+    perm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gptq_solve` over a batch of matrices of one shape (all experts of a layer).
+
+    ``weight_t (E, C, R)``, ``hinv_chol (E, C, C)``, ``qmeta (E, R, ceil(C/G), 4)``,
+    ``perm (E, C)`` int64 or ``None``. Returns ``(codes (E, C, R) uint8, dequantized
+    (E, C, R) float32)``. On CUDA all matrices are solved together by the fused kernels
+    (block size at most 128).
+    """
+    return _native.gptq_solve_batched(weight_t, hinv_chol, qmeta, bits, group_size, block_size, perm)
+
+
+def hessian_update(hessian: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """In place ``hessian (D, D) += alpha * x.T @ x`` in float32, for inputs ``x (..., D)``.
+
+    The GPTQ Hessian of a linear layer is ``2/T * sum x x^T`` over its T calibration
+    tokens: call this per batch with ``alpha = 2 / T_total`` (or normalise at the end).
+    """
+    if isinstance(x, torch.Tensor) and x.dim() > 2:
+        x = x.reshape(-1, x.shape[-1])
+    _native.hessian_update(hessian, x, float(alpha))
+    return hessian
+
+
+def hessian_update_segmented(
+    hessian: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, offsets: torch.Tensor, alpha: float = 1.0
+) -> torch.Tensor:
+    """Per-expert Hessians in one call: ``hessian[e] += alpha * X_e.T @ X_e`` with
+    ``X_e = x[idx[offsets[e]:offsets[e+1]]]`` (the tokens routed to expert ``e``).
+
+    ``hessian (E, D, D)`` float32, ``x (T, D)``, ``idx`` int32, ``offsets (E + 1,)`` int32.
+    """
+    _native.hessian_update_segmented(hessian, x, idx, offsets, float(alpha))
+    return hessian
 
 
 class GPTQResult(NamedTuple):
@@ -159,7 +306,9 @@ def gptq_quantize(
     if isinstance(hessian, torch.Tensor) and tuple(hessian.shape) != (k, k):
         from .errors import ShapeError
 
-        raise ShapeError(f"hessian: expected ({k}, {k}) for weight {tuple(weight.shape)}, got {tuple(hessian.shape)}")
+        raise ShapeError(
+            f"hessian: expected ({k}, {k}) for weight {tuple(weight.shape)}, got {tuple(hessian.shape)}"
+        )
     factor = prepare_hessian(hessian, percdamp, act_order)
     codes, deq_t = gptq_solve(
         weight.t().contiguous(), factor.hinv_chol, qmeta, bits, group_size, block_size, factor.perm
@@ -185,16 +334,18 @@ def quantize_pack_awq(
     return _native.quantize_pack_awq(weight, qmeta, group_size)
 
 
-def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_awq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, group_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of the packing: ``(codes (K, N) uint8, zeros (K/G, N) uint8)``."""
-    return _native.unpack_awq(qweight, qzeros, group_size)
+    return _via_cpu(lambda a, b: _native.unpack_awq(a, b, group_size), qweight, qzeros)
 
 
 def dequantize_awq(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int = 128
 ) -> torch.Tensor:
     """``W (N, K)`` float32 with ``W[n, k] = (q[k, n] - z[k // G, n]) * scales[k // G, n]``."""
-    return _native.dequantize_awq(qweight, qzeros, scales, group_size)
+    return _via_cpu(lambda a, b, c: _native.dequantize_awq(a, b, c, group_size), qweight, qzeros, scales)
 
 
 def awq_matmul(
@@ -203,14 +354,19 @@ def awq_matmul(
     """W4A16 matmul ``y (..., N) = x (..., K) @ dequant(W).T``, fp32 accumulation.
 
     The result has ``x``'s dtype. On the CPU this is the reference path (dequantise, then
-    GEMM in float32).
+    GEMM in float32); CUDA tensors run the fused W4A16 kernel (fp16/bf16 activations,
+    fp32 accumulation) reading the AWQ tensors as they are.
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         # let the native layer name the problem (type, or "expected (M, K)")
         return _native.awq_matmul(x, qweight, qzeros, scales, group_size)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    y = _native.awq_matmul(x2, qweight, qzeros, scales, group_size)
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x.is_cuda:
+        x2 = x2.to(torch.float32)
+    elif x2.dtype not in (torch.float16, torch.bfloat16):
+        x2 = x2.to(torch.float16)
+    y = _native.awq_matmul(x2.contiguous(), qweight, qzeros, scales, group_size)
     return y.reshape(*lead, y.shape[-1]).to(x.dtype)
 
 
@@ -218,18 +374,24 @@ def pack_gptq(
     codes: torch.Tensor, qmeta: torch.Tensor, group_size: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ v1 layout: ``(qweight (K/8, N), qzeros (K/G, N/8) storing z-1, scales, g_idx (K,))``."""
-    return _native.pack_gptq(codes, qmeta, group_size)
+    return _via_cpu(lambda a, b: _native.pack_gptq(a, b, group_size), codes, qmeta)
 
 
 def unpack_gptq(
     qweight: torch.Tensor, qzeros: torch.Tensor, group_size: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_gptq`: ``(codes (K, N), zeros (K/G, N))`` with the ``+1`` undone."""
-    return _native.unpack_gptq(qweight, qzeros, group_size)
+    return _via_cpu(lambda a, b: _native.unpack_gptq(a, b, group_size), qweight, qzeros)
 
 
 def dequantize_gptq(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, group_size: int = 128
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    group_size: int = 128,
 ) -> torch.Tensor:
     """``W (N, K)`` float32 from a GPTQ v1 layer, honouring ``g_idx``."""
-    return _native.dequantize_gptq(qweight, qzeros, scales, g_idx, group_size)
+    return _via_cpu(
+        lambda a, b, c, d: _native.dequantize_gptq(a, b, c, d, group_size), qweight, qzeros, scales, g_idx
+    )

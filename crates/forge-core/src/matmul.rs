@@ -103,3 +103,13 @@ pub fn w4a16_awq(
     faer::linalg::matmul::matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::rayon(0));
     Ok(y)
 }
+
+/// `H (D × D) += alpha · Xᵀ X` for row-major `X (T × D)`, fp32 (the GPTQ Hessian update).
+pub fn syrk_update(h: &mut [f32], x: &[f32], t: usize, d: usize, alpha: f32) -> Result<()> {
+    check_len("hessian", h.len(), d, d)?;
+    check_len("x", x.len(), t, d)?;
+    let dst = MatMut::from_row_major_slice_mut(h, d, d);
+    let xm = MatRef::from_row_major_slice(x, t, d);
+    faer::linalg::matmul::matmul(dst, Accum::Add, xm.transpose(), xm, alpha, Par::rayon(0));
+    Ok(())
+}
