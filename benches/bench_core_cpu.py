@@ -15,8 +15,9 @@ import json
 import math
 import time
 
-import forge
 import torch
+
+import forge
 
 
 def timeit(fn, reps: int = 1) -> float:

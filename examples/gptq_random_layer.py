@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import forge
 import torch
+
+import forge
 
 
 def main() -> None:

@@ -3,10 +3,11 @@ TypeError subclass) whose message names the argument; never a Rust PanicExceptio
 
 from __future__ import annotations
 
-import forge
 import pytest
 import torch
 from conftest import requires_cuda
+
+import forge
 from forge.errors import DeviceError, DTypeError, ForgeError, HessianError, InvalidValueError, ShapeError
 
 NAN, INF = float("nan"), float("inf")
@@ -596,7 +597,9 @@ INT_RANGE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("call, exc, name", [c[1:] for c in INT_RANGE_CASES], ids=[c[0] for c in INT_RANGE_CASES])
+@pytest.mark.parametrize(
+    "call, exc, name", [c[1:] for c in INT_RANGE_CASES], ids=[c[0] for c in INT_RANGE_CASES]
+)
 def test_int_ranges_and_wrapper_validation(call, exc, name):
     with pytest.raises(exc, match=name):
         call()

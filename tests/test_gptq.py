@@ -3,10 +3,11 @@ Algorithm 1 (GPTQ authors' ``fasterquant`` structure) written here, plus layer e
 
 from __future__ import annotations
 
-import forge
 import pytest
 import torch
 from conftest import correlated_inputs, hessian_of, layer_error, ref_dequant_codes, ref_rtn_codes
+
+import forge
 from forge.errors import HessianError, InvalidValueError
 
 # ----------------------------------------------------------------------------- reference

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import forge
 import pytest
 import torch
 from conftest import (
@@ -16,6 +15,8 @@ from conftest import (
     ref_scale_of,
     ref_zero_of,
 )
+
+import forge
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import forge
 import pytest
 import torch
 from conftest import ref_dequant_codes, ref_rtn_codes, ref_scale_of, ref_zero_of
+
+import forge
 from forge.errors import InvalidValueError
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import forge
 import pytest
 import torch
 from conftest import Q88_BOUND, qmeta_fields, ref_decode_q88, ref_log2_q88
+
+import forge
 from forge.errors import DTypeError, InvalidValueError, ShapeError
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from . import errors
 from ._native import __version__
+from .api import QuantizeReport, VerifyReport, inspect, quantize_model, verify
 from .gptq import GPTQ
 from .quant import (
     GPTQResult,
@@ -36,6 +37,11 @@ from .quant import (
 __all__ = [
     "__version__",
     "errors",
+    "QuantizeReport",
+    "VerifyReport",
+    "inspect",
+    "quantize_model",
+    "verify",
     "GPTQ",
     "GPTQResult",
     "HessianFactor",

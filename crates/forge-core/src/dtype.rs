@@ -105,6 +105,7 @@ pub fn check_finite<T: Element>(name: &str, x: &[T]) -> crate::Result<()> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     #[test]

@@ -224,16 +224,22 @@ pub fn solve(
                     let d = hinv_chol[j * c + j];
                     // SAFETY: each task touches only columns [r0, r1) of the block rows.
                     unsafe {
-                        let wrow = std::slice::from_raw_parts_mut(w_ptr.get().add(jj * r + r0), r1 - r0);
-                        let erow = std::slice::from_raw_parts_mut(e_ptr.get().add(jj * r + r0), r1 - r0);
-                        let qrow = std::slice::from_raw_parts_mut(q_ptr.get().add(jj * r + r0), r1 - r0);
+                        let wrow =
+                            std::slice::from_raw_parts_mut(w_ptr.get().add(jj * r + r0), r1 - r0);
+                        let erow =
+                            std::slice::from_raw_parts_mut(e_ptr.get().add(jj * r + r0), r1 - r0);
+                        let qrow =
+                            std::slice::from_raw_parts_mut(q_ptr.get().add(jj * r + r0), r1 - r0);
                         quantize_row(wrow, erow, qrow, &params, d);
                         for kk in (jj + 1)..bsz {
                             let coef = hinv_chol[j * c + i1 + kk];
                             if coef == 0.0 {
                                 continue;
                             }
-                            let krow = std::slice::from_raw_parts_mut(w_ptr.get().add(kk * r + r0), r1 - r0);
+                            let krow = std::slice::from_raw_parts_mut(
+                                w_ptr.get().add(kk * r + r0),
+                                r1 - r0,
+                            );
                             axpy_neg(krow, coef, erow);
                         }
                     }
@@ -266,7 +272,12 @@ pub fn solve(
 /// Quantizes one row segment: codes, dequantized values and the scaled error `(w − ŵ)/d`.
 #[multiversion(targets("x86_64+avx2+fma", "x86_64+sse4.1"))]
 fn quantize_row(w: &mut [f32], err: &mut [f32], codes: &mut [u8], params: &[GroupParams], d: f32) {
-    for (((x, e), q), p) in w.iter_mut().zip(err.iter_mut()).zip(codes.iter_mut()).zip(params) {
+    for (((x, e), q), p) in w
+        .iter_mut()
+        .zip(err.iter_mut())
+        .zip(codes.iter_mut())
+        .zip(params)
+    {
         let c = p.code(*x);
         let xq = p.dequant(c);
         *q = c as u8;
@@ -295,6 +306,7 @@ impl<T> SyncPtr<T> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use crate::grid::build_range;

@@ -31,7 +31,7 @@ impl GridSpec {
         if !(2..=8).contains(&self.bits) {
             return Err(Error::param("bits", "must be between 2 and 8", self.bits));
         }
-        if self.group_size < 32 || self.group_size > 1024 || self.group_size % 32 != 0 {
+        if self.group_size < 32 || self.group_size > 1024 || !self.group_size.is_multiple_of(32) {
             return Err(Error::param(
                 "group_size",
                 "must be a multiple of 32 between 32 and 1024 (e.g. 32, 64, 128, 256)",
@@ -169,7 +169,14 @@ fn range_row<T: Element>(row: &[T], meta_row: &mut [QMeta], spec: &GridSpec, buf
 }
 
 #[multiversion(targets("x86_64+avx2+fma", "x86_64+sse4.1"))]
-fn mse_row<T: Element>(row: &[T], meta_row: &mut [QMeta], spec: &GridSpec, cands: &[f32], norm: f32, buf: &mut [f32]) {
+fn mse_row<T: Element>(
+    row: &[T],
+    meta_row: &mut [QMeta],
+    spec: &GridSpec,
+    cands: &[f32],
+    norm: f32,
+    buf: &mut [f32],
+) {
     for (g, m) in meta_row.iter_mut().enumerate() {
         load_group(row, g, spec.group_size, buf);
         *m = mse_refine_group(buf, *m, spec.bits, cands, norm);
@@ -200,7 +207,10 @@ pub fn build_range<T: Element>(
     let mut out = vec![QMeta(0); rows * ng];
     out.par_chunks_mut(ng)
         .zip(x.par_chunks(cols))
-        .for_each_init(|| vec![0f32; spec.group_size], |buf, (meta_row, row)| range_row(row, meta_row, spec, buf));
+        .for_each_init(
+            || vec![0f32; spec.group_size],
+            |buf, (meta_row, row)| range_row(row, meta_row, spec, buf),
+        );
     Ok(out)
 }
 
@@ -272,9 +282,10 @@ pub fn refine_mse<T: Element>(
     qmeta
         .par_chunks_mut(ng)
         .zip(x.par_chunks(cols))
-        .for_each_init(|| vec![0f32; spec.group_size], |buf, (meta_row, row)| {
-            mse_row(row, meta_row, spec, &cands, mse.norm, buf)
-        });
+        .for_each_init(
+            || vec![0f32; spec.group_size],
+            |buf, (meta_row, row)| mse_row(row, meta_row, spec, &cands, mse.norm, buf),
+        );
     Ok(())
 }
 
@@ -343,6 +354,7 @@ pub fn transpose_u8(a: &[u8], rows: usize, cols: usize) -> Vec<u8> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

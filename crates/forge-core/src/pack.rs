@@ -49,10 +49,10 @@ pub fn check_pack_shape(k: usize, n: usize, spec: &GridSpec) -> Result<()> {
             spec.bits,
         ));
     }
-    if n == 0 || n % 8 != 0 {
+    if n == 0 || !n.is_multiple_of(8) {
         return Err(Error::shape("out_features", "a positive multiple of 8", n));
     }
-    if k == 0 || k % spec.group_size != 0 {
+    if k == 0 || !k.is_multiple_of(spec.group_size) {
         return Err(Error::shape(
             "in_features",
             format!("a positive multiple of group_size {}", spec.group_size),
@@ -94,7 +94,11 @@ pub fn scales_and_zeros(
             if z > spec.maxq() {
                 return Err(Error::param(
                     "qmeta",
-                    format!("zero point of output {row}, group {g} must be <= {} for {}-bit codes", spec.maxq(), spec.bits),
+                    format!(
+                        "zero point of output {row}, group {g} must be <= {} for {}-bit codes",
+                        spec.maxq(),
+                        spec.bits
+                    ),
                     z,
                 ));
             }
@@ -252,7 +256,7 @@ pub fn pack_gptq(
     spec: &GridSpec,
 ) -> Result<GptqTensors> {
     check_pack_shape(k, n, spec)?;
-    if k % 8 != 0 {
+    if !k.is_multiple_of(8) {
         return Err(Error::shape("in_features", "a multiple of 8", k));
     }
     check_len("codes", codes.len(), k, n)?;
@@ -313,7 +317,7 @@ pub fn unpack_gptq(
         symmetric: false,
     };
     check_pack_shape(k, n, &spec)?;
-    if k % 8 != 0 {
+    if !k.is_multiple_of(8) {
         return Err(Error::shape("in_features", "a multiple of 8", k));
     }
     check_len("qweight", qweight.len(), k / 8, n)?;
@@ -341,6 +345,7 @@ pub fn unpack_gptq(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     #[test]

@@ -1,8 +1,10 @@
 //! `forge._native`: the PyO3 bindings of 4bit-forge. Type and error conversion only; the
 //! maths lives in `forge-core`. Internal API: use the `forge` package.
 
+mod cuda_ops;
 mod errors;
 mod ops;
+mod run;
 mod tensor;
 
 use pyo3::prelude::*;
@@ -24,5 +26,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::pack_gptq, m)?)?;
     m.add_function(wrap_pyfunction!(ops::unpack_gptq, m)?)?;
     m.add_function(wrap_pyfunction!(ops::dequantize_gptq, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::gptq_solve_batched, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::hessian_update, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::hessian_update_segmented, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(run::quantize_model, m)?)?;
+    m.add_function(wrap_pyfunction!(run::inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(run::verify, m)?)?;
+    m.add_function(wrap_pyfunction!(run::cli_main, m)?)?;
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! device, shape), converts them to slices without copying, runs the core without the
 //! GIL and returns new torch tensors.
 
+use crate::cuda_ops;
 use crate::errors::{core_err, detach_guarded, raise};
 use crate::tensor::{from_vec, DType, Tensor};
 use forge_core::grid::{self, GridMode, GridSpec, MseSpec};
@@ -39,7 +40,11 @@ macro_rules! with_elements {
 /// Converts a Python integer argument to an unsigned size, naming it on failure.
 pub fn size_arg(py: Python<'_>, name: &str, v: i64, min: i64, max: i64) -> PyResult<usize> {
     if v < min || v > max {
-        return Err(raise(py, "InvalidValueError", format!("{name}: must be between {min} and {max}, got {v}")));
+        return Err(raise(
+            py,
+            "InvalidValueError",
+            format!("{name}: must be between {min} and {max}, got {v}"),
+        ));
     }
     Ok(v as usize)
 }
@@ -76,7 +81,9 @@ fn check_qmeta(q: &Tensor<'_>, rows: usize, groups: usize, what: &str) -> PyResu
 
 fn weight_2d<'py>(name: &'static str, obj: &Bound<'py, PyAny>) -> PyResult<Tensor<'py>> {
     let t = Tensor::extract(name, obj)?;
-    t.require_cpu()?;
+    if !t.is_cuda() {
+        t.require_cpu()?;
+    }
     t.require_dtype(FLOATS)?;
     t.require_ndim(2, "(rows, cols)")?;
     Ok(t)
@@ -120,6 +127,17 @@ pub fn build_quant_grid<'py>(
         }
     };
     let (rows, cols) = (w.shape[0], w.shape[1]);
+    if w.is_cuda() {
+        if rows == 0 || cols == 0 {
+            return Err(raise(
+                py,
+                "ShapeError",
+                format!("weight: expected a non-empty 2-D tensor, got {:?}", w.shape),
+            ));
+        }
+        let t = cuda_ops::build_quant_grid(&w, &s, gm)?;
+        return Ok((t, s.maxq(), s.pad(cols)));
+    }
     let r = with_elements!(w, |x| detach_guarded(py, "build_quant_grid", || {
         grid::build_quant_grid(x, rows, cols, &s, gm)
     })?);
@@ -139,6 +157,7 @@ pub fn quantize_rtn<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let w = weight_2d("weight", weight)?;
+    w.require_cpu()?;
     let (n, k) = (w.shape[0], w.shape[1]);
     let s = spec(py, bits, group_size, false)?;
     let q = Tensor::extract("qmeta", qmeta)?;
@@ -333,7 +352,9 @@ pub fn gptq_solve<'py>(
 
 fn codes_tensor<'py>(codes: &Bound<'py, PyAny>) -> PyResult<Tensor<'py>> {
     let t = Tensor::extract("codes", codes)?;
-    t.require_cpu()?;
+    if !t.is_cuda() {
+        t.require_cpu()?;
+    }
     t.require_dtype(&[DType::U8])?;
     t.require_ndim(2, "(K, N)")?;
     Ok(t)
@@ -357,6 +378,28 @@ fn pack_spec<'py>(
     Ok((s, qmeta_vec(&q)))
 }
 
+/// The 4-bit pack spec and the CUDA qmeta tensor `(N, K/G, 4)` of a CUDA call.
+fn pack_spec_cuda<'py>(
+    py: Python<'py>,
+    qmeta: &Bound<'py, PyAny>,
+    like: &Tensor<'py>,
+    k: usize,
+    n: usize,
+    group_size: usize,
+) -> PyResult<(GridSpec, Tensor<'py>)> {
+    let s = GridSpec {
+        bits: 4,
+        group_size,
+        symmetric: false,
+    };
+    pack::check_pack_shape(k, n, &s).map_err(|e| core_err(py, e))?;
+    let q = Tensor::extract("qmeta", qmeta)?;
+    q.require_same_device(like)?;
+    q.require_dtype(&[DType::U8])?;
+    q.require_shape(&[n, k / group_size, 4], "(N, K/group_size, 4)")?;
+    Ok((s, q))
+}
+
 fn awq_out<'py>(
     py: Python<'py>,
     a: pack::AwqTensors,
@@ -372,6 +415,12 @@ fn awq_out<'py>(
 }
 
 type Three<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>);
+type Four<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+);
 
 /// Packs codes `(K, N)` with the grid `(N, K/G, 4)` into vLLM AWQ `(qweight, qzeros, scales)`.
 #[pyfunction]
@@ -384,6 +433,10 @@ pub fn pack_awq<'py>(
     let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let c = codes_tensor(codes)?;
     let (k, n) = (c.shape[0], c.shape[1]);
+    if c.is_cuda() {
+        let (s, q) = pack_spec_cuda(py, qmeta, &c, k, n, group_size)?;
+        return cuda_ops::pack_awq(&c, &q, &s);
+    }
     let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
     // SAFETY: uint8 checked.
     let cv: &[u8] = unsafe { c.slice() };
@@ -403,6 +456,10 @@ pub fn quantize_pack_awq<'py>(
     let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let w = weight_2d("weight", weight)?;
     let (n, k) = (w.shape[0], w.shape[1]);
+    if w.is_cuda() {
+        let (s, q) = pack_spec_cuda(py, qmeta, &w, k, n, group_size)?;
+        return cuda_ops::quantize_pack_awq(&w, &q, &s);
+    }
     let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
     let r = with_elements!(w, |x| detach_guarded(py, "quantize_pack_awq", || {
         pack::quantize_pack_awq(x, &qm, n, k, &s)
@@ -472,6 +529,31 @@ fn scales_slice<'py>(
     Ok((s, v))
 }
 
+/// Shared body of the two unpackers.
+fn unpack_impl<'py>(
+    py: Python<'py>,
+    qweight: &Bound<'py, PyAny>,
+    qzeros: &Bound<'py, PyAny>,
+    group_size: i64,
+    gptq_layout: bool,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
+    let p = packed(py, qweight, qzeros, group_size, gptq_layout)?;
+    let (k, n) = (p.k, p.n);
+    let (c, z) = detach_guarded(py, "unpack", || {
+        if gptq_layout {
+            pack::unpack_gptq(p.qweight, p.qzeros, k, n, group_size)
+        } else {
+            pack::unpack_awq(p.qweight, p.qzeros, k, n, group_size)
+        }
+    })?
+    .map_err(|e| core_err(py, e))?;
+    Ok((
+        from_vec(py, &c, &[k, n], DType::U8)?,
+        from_vec(py, &z, &[k / group_size, n], DType::U8)?,
+    ))
+}
+
 /// Unpacks AWQ `(qweight, qzeros)` into `(codes (K, N), zeros (K/G, N))` uint8.
 #[pyfunction]
 pub fn unpack_awq<'py>(
@@ -480,17 +562,7 @@ pub fn unpack_awq<'py>(
     qzeros: &Bound<'py, PyAny>,
     group_size: i64,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
-    let p = packed(py, qweight, qzeros, group_size, false)?;
-    let (k, n) = (p.k, p.n);
-    let (c, z) = detach_guarded(py, "unpack_awq", || {
-        pack::unpack_awq(p.qweight, p.qzeros, k, n, group_size)
-    })?
-    .map_err(|e| core_err(py, e))?;
-    Ok((
-        from_vec(py, &c, &[k, n], DType::U8)?,
-        from_vec(py, &z, &[k / group_size, n], DType::U8)?,
-    ))
+    unpack_impl(py, qweight, qzeros, group_size, false)
 }
 
 /// Dequantizes an AWQ layer to `W (N, K)` float32.
@@ -524,10 +596,41 @@ pub fn awq_matmul<'py>(
     group_size: i64,
 ) -> PyResult<Bound<'py, PyAny>> {
     let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
+    let xt = Tensor::extract("x", x)?;
+    if xt.is_cuda() {
+        xt.require_ndim(2, "(M, K)")?;
+        let qw = Tensor::extract("qweight", qweight)?;
+        let qz = Tensor::extract("qzeros", qzeros)?;
+        let sc = Tensor::extract("scales", scales)?;
+        qw.require_dtype(&[DType::I32])?;
+        qz.require_dtype(&[DType::I32])?;
+        sc.require_dtype(&[DType::F16])?;
+        qw.require_ndim(2, "(K, N/8)")?;
+        let (k, n) = (qw.shape[0], qw.shape[1] * 8);
+        if k % group_size != 0 {
+            return Err(raise(
+                py,
+                "ShapeError",
+                format!("group_size: must divide in_features {k}, got {group_size}"),
+            ));
+        }
+        qz.require_shape(&[k / group_size, n / 8], "(K/group_size, N/8)")?;
+        sc.require_shape(&[k / group_size, n], "(K/group_size, N)")?;
+        if xt.shape[1] != k {
+            return Err(raise(
+                py,
+                "ShapeError",
+                format!(
+                    "x: expected (M, {k}) to match qweight's in_features, got {:?}",
+                    xt.shape
+                ),
+            ));
+        }
+        return cuda_ops::awq_matmul(&xt, &qw, &qz, &sc, k, n, group_size);
+    }
     let p = packed(py, qweight, qzeros, group_size, false)?;
     let (k, n) = (p.k, p.n);
     let (_s, sv) = scales_slice(scales, k, n, group_size)?;
-    let xt = Tensor::extract("x", x)?;
     xt.require_cpu()?;
     xt.require_dtype(&[DType::F32])?;
     xt.require_ndim(2, "(M, K)")?;
@@ -558,14 +661,10 @@ pub fn pack_gptq<'py>(
     codes: &Bound<'py, PyAny>,
     qmeta: &Bound<'py, PyAny>,
     group_size: i64,
-) -> PyResult<(
-    Bound<'py, PyAny>,
-    Bound<'py, PyAny>,
-    Bound<'py, PyAny>,
-    Bound<'py, PyAny>,
-)> {
+) -> PyResult<Four<'py>> {
     let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let c = codes_tensor(codes)?;
+    c.require_cpu()?;
     let (k, n) = (c.shape[0], c.shape[1]);
     let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
     // SAFETY: uint8 checked.
@@ -588,17 +687,7 @@ pub fn unpack_gptq<'py>(
     qzeros: &Bound<'py, PyAny>,
     group_size: i64,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
-    let p = packed(py, qweight, qzeros, group_size, true)?;
-    let (k, n) = (p.k, p.n);
-    let (c, z) = detach_guarded(py, "unpack_gptq", || {
-        pack::unpack_gptq(p.qweight, p.qzeros, k, n, group_size)
-    })?
-    .map_err(|e| core_err(py, e))?;
-    Ok((
-        from_vec(py, &c, &[k, n], DType::U8)?,
-        from_vec(py, &z, &[k / group_size, n], DType::U8)?,
-    ))
+    unpack_impl(py, qweight, qzeros, group_size, true)
 }
 
 /// Dequantizes a GPTQ v1 layer to `W (N, K)` float32.
@@ -626,4 +715,279 @@ pub fn dequantize_gptq<'py>(
     })?
     .map_err(|e| core_err(py, e))?;
     from_vec(py, &w, &[n, k], DType::F32)
+}
+
+/// GPTQ on a batch of matrices of one shape (e.g. all experts of a layer):
+/// `weight_t (E, C, R)`, `hinv_chol (E, C, C)`, `qmeta (E, R, ceil(C/G), 4)`,
+/// `perm (E, C)` int64 or None. Returns `(codes (E, C, R) uint8, dequantized (E, C, R) f32)`.
+/// CUDA tensors run the batched CUDA solver; CPU tensors the core solver per matrix.
+#[pyfunction]
+#[pyo3(signature = (weight_t, hinv_chol, qmeta, bits, group_size, block_size, perm=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn gptq_solve_batched<'py>(
+    py: Python<'py>,
+    weight_t: &Bound<'py, PyAny>,
+    hinv_chol: &Bound<'py, PyAny>,
+    qmeta: &Bound<'py, PyAny>,
+    bits: i64,
+    group_size: i64,
+    block_size: i64,
+    perm: Option<&Bound<'py, PyAny>>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
+    let block_size = size_arg(py, "block_size", block_size, 1, 1 << 20)?;
+    let s = spec(py, bits, group_size, false)?;
+    let torch = py.import("torch")?;
+    let w0 = Tensor::extract("weight_t", weight_t)?;
+    w0.require_dtype(FLOATS)?;
+    w0.require_ndim(3, "(E, C, R)")?;
+    let (e, c, r) = (w0.shape[0], w0.shape[1], w0.shape[2]);
+    if e == 0 || c == 0 || r == 0 {
+        return Err(raise(
+            py,
+            "ShapeError",
+            format!(
+                "weight_t: expected a non-empty (E, C, R) tensor, got {:?}",
+                w0.shape
+            ),
+        ));
+    }
+    let u = Tensor::extract("hinv_chol", hinv_chol)?;
+    u.require_same_device(&w0)?;
+    u.require_dtype(&[DType::F32])?;
+    u.require_shape(&[e, c, c], "(E, C, C) for weight_t (E, C, R)")?;
+    let q = Tensor::extract("qmeta", qmeta)?;
+    q.require_same_device(&w0)?;
+    q.require_dtype(&[DType::U8])?;
+    q.require_shape(&[e, r, s.groups(c), 4], "(E, R, ceil(C/group_size), 4)")?;
+    let perm_t = match perm {
+        Some(p) if !p.is_none() => {
+            let t = Tensor::extract("perm", p)?;
+            t.require_same_device(&w0)?;
+            t.require_dtype(&[DType::I64])?;
+            t.require_shape(&[e, c], "(E, C)")?;
+            let sorted = t.obj.call_method1("sort", (-1,))?.getattr("values")?;
+            let want = torch
+                .call_method1("arange", (c,))?
+                .call_method1("to", (t.obj.getattr("device")?,))?;
+            let ok: bool = sorted
+                .call_method1("eq", (want,))?
+                .call_method0("all")?
+                .call_method0("item")?
+                .extract()?;
+            if !ok {
+                return Err(raise(
+                    py,
+                    "InvalidValueError",
+                    format!("perm: every row must be a permutation of 0..{c}"),
+                ));
+            }
+            Some(t)
+        }
+        _ => None,
+    };
+    if w0.is_cuda() {
+        w0.require_finite_cuda()?;
+        u.require_finite_cuda()?;
+        let w32 = w0
+            .obj
+            .call_method1("to", (torch.getattr("float32")?,))?
+            .call_method0("clone")?;
+        let w = Tensor::extract("weight_t", &w32)?;
+        let p32 = match &perm_t {
+            Some(t) => Some(t.obj.call_method1("to", (torch.getattr("int32")?,))?),
+            None => None,
+        };
+        let pt = match &p32 {
+            Some(o) => Some(Tensor::extract("perm", o)?),
+            None => None,
+        };
+        let codes = cuda_ops::gptq_solve(&w, &u, &q, pt.as_ref(), e, c, r, &s, block_size)?;
+        return Ok((codes, w32));
+    }
+    w0.require_cpu()?;
+    let (codes_t, cp) = crate::tensor::empty(py, &[e, c, r], DType::U8)?;
+    let (deq_t, dp) = crate::tensor::empty(py, &[e, c, r], DType::F32)?;
+    // SAFETY: dtypes and shapes checked; outputs freshly allocated with these sizes.
+    let uv: &[f32] = unsafe { u.slice() };
+    let qm = qmeta_vec(&q);
+    let perms: Option<Vec<usize>> = perm_t.as_ref().map(|t| {
+        unsafe { t.slice::<i64>() }
+            .iter()
+            .map(|&x| x as usize)
+            .collect()
+    });
+    let ng = s.groups(c);
+    for ei in 0..e {
+        let mut wv: Vec<f32> = with_elements!(w0, |x| x[ei * c * r..(ei + 1) * c * r]
+            .iter()
+            .map(|v| forge_core::Element::to_f32(*v))
+            .collect());
+        let uu = &uv[ei * c * c..(ei + 1) * c * c];
+        let qq = &qm[ei * r * ng..(ei + 1) * r * ng];
+        let pp = perms.as_ref().map(|p| &p[ei * c..(ei + 1) * c]);
+        let codes = detach_guarded(py, "gptq_solve_batched", || {
+            gptq::solve(&mut wv, c, r, uu, qq, &s, block_size, pp)
+        })?
+        .map_err(|err| core_err(py, err))?;
+        // SAFETY: ei-th slab of freshly allocated outputs.
+        unsafe {
+            std::ptr::copy_nonoverlapping(codes.as_ptr(), (cp as *mut u8).add(ei * c * r), c * r);
+            std::ptr::copy_nonoverlapping(wv.as_ptr(), (dp as *mut f32).add(ei * c * r), c * r);
+        }
+    }
+    Ok((codes_t, deq_t))
+}
+
+/// `hessian (D, D) += alpha · xᵀ x` in float32, for `x (T, D)` (f32/f16/bf16). CUDA tensors
+/// run the CUDA kernel; CPU tensors a faer GEMM.
+#[pyfunction]
+pub fn hessian_update<'py>(
+    py: Python<'py>,
+    hessian: &Bound<'py, PyAny>,
+    x: &Bound<'py, PyAny>,
+    alpha: f32,
+) -> PyResult<()> {
+    let h = Tensor::extract("hessian", hessian)?;
+    let xt = Tensor::extract("x", x)?;
+    xt.require_same_device(&h)?;
+    h.require_dtype(&[DType::F32])?;
+    xt.require_dtype(&[DType::F32, DType::F16, DType::BF16])?;
+    xt.require_ndim(2, "(T, D)")?;
+    let d = xt.shape[1];
+    h.require_shape(&[d, d], "(D, D) for x (T, D)")?;
+    if !hessian.call_method0("is_contiguous")?.extract::<bool>()? {
+        return Err(raise(
+            py,
+            "ShapeError",
+            "hessian: must be contiguous (it is updated in place)",
+        ));
+    }
+    if !alpha.is_finite() {
+        return Err(raise(
+            py,
+            "InvalidValueError",
+            format!("alpha: must be finite, got {alpha}"),
+        ));
+    }
+    if xt.shape[0] == 0 {
+        return Ok(());
+    }
+    if h.is_cuda() {
+        xt.require_finite_cuda()?;
+        return cuda_ops::hessian_update(&h, &xt, alpha);
+    }
+    h.require_cpu()?;
+    let t = xt.shape[0];
+    let xv: Vec<f32> = with_elements!(xt, |x| x
+        .iter()
+        .map(|v| forge_core::Element::to_f32(*v))
+        .collect());
+    forge_core::dtype::check_finite("x", &xv).map_err(|e| core_err(py, e))?;
+    let hp = h.ptr;
+    detach_guarded(py, "hessian_update", || {
+        // SAFETY: hessian is a contiguous CPU f32 (D, D) tensor, exclusively updated here.
+        let hv = unsafe { std::slice::from_raw_parts_mut(hp as *mut f32, d * d) };
+        forge_core::matmul::syrk_update(hv, &xv, t, d, alpha)
+    })?
+    .map_err(|e| core_err(py, e))
+}
+
+/// Per-expert Hessians of routed experts: for expert `e`, the rows
+/// `x[idx[offsets[e]:offsets[e+1]]]` update `hessian[e] += alpha · X_eᵀ X_e`.
+/// `hessian (E, D, D)` f32, `x (T, D)`, `idx` int32 token indices, `offsets (E + 1,)` int32.
+#[pyfunction]
+pub fn hessian_update_segmented<'py>(
+    py: Python<'py>,
+    hessian: &Bound<'py, PyAny>,
+    x: &Bound<'py, PyAny>,
+    idx: &Bound<'py, PyAny>,
+    offsets: &Bound<'py, PyAny>,
+    alpha: f32,
+) -> PyResult<()> {
+    let h = Tensor::extract("hessian", hessian)?;
+    let xt = Tensor::extract("x", x)?;
+    let it = Tensor::extract("idx", idx)?;
+    let ot = Tensor::extract("offsets", offsets)?;
+    for t in [&xt, &it, &ot] {
+        t.require_same_device(&h)?;
+    }
+    h.require_dtype(&[DType::F32])?;
+    xt.require_dtype(&[DType::F32, DType::F16, DType::BF16])?;
+    it.require_dtype(&[DType::I32])?;
+    ot.require_dtype(&[DType::I32])?;
+    xt.require_ndim(2, "(T, D)")?;
+    it.require_ndim(1, "(S,)")?;
+    h.require_ndim(3, "(E, D, D)")?;
+    let (tt, d) = (xt.shape[0], xt.shape[1]);
+    let e = h.shape[0];
+    h.require_shape(&[e, d, d], "(E, D, D) for x (T, D)")?;
+    ot.require_shape(&[e + 1], "(E + 1,)")?;
+    if !hessian.call_method0("is_contiguous")?.extract::<bool>()? {
+        return Err(raise(
+            py,
+            "ShapeError",
+            "hessian: must be contiguous (it is updated in place)",
+        ));
+    }
+    // Offsets and indices are small: validate them on the host.
+    let offs: Vec<i64> = ot.obj.call_method0("tolist")?.extract()?;
+    let s_len = it.shape[0] as i64;
+    if offs[0] != 0 || offs.windows(2).any(|w| w[1] < w[0]) || offs[e] != s_len {
+        return Err(raise(
+            py,
+            "InvalidValueError",
+            format!("offsets: must start at 0, not decrease and end at len(idx) = {s_len}"),
+        ));
+    }
+    if s_len > 0 {
+        let (lo, hi): (i64, i64) = (
+            it.obj
+                .call_method0("min")?
+                .call_method0("item")?
+                .extract()?,
+            it.obj
+                .call_method0("max")?
+                .call_method0("item")?
+                .extract()?,
+        );
+        if lo < 0 || hi >= tt as i64 {
+            return Err(raise(
+                py,
+                "InvalidValueError",
+                format!("idx: token indices must be in 0..{tt}, found {lo}..={hi}"),
+            ));
+        }
+    }
+    if h.is_cuda() {
+        xt.require_finite_cuda()?;
+        return cuda_ops::hessian_update_segmented(&h, &xt, &it, &ot, e, alpha);
+    }
+    h.require_cpu()?;
+    let xv: Vec<f32> = with_elements!(xt, |x| x
+        .iter()
+        .map(|v| forge_core::Element::to_f32(*v))
+        .collect());
+    forge_core::dtype::check_finite("x", &xv).map_err(|err| core_err(py, err))?;
+    // SAFETY: int32 checked.
+    let iv: &[i32] = unsafe { it.slice() };
+    let hp = h.ptr;
+    detach_guarded(py, "hessian_update_segmented", || {
+        for ei in 0..e {
+            let rows = &iv[offs[ei] as usize..offs[ei + 1] as usize];
+            if rows.is_empty() {
+                continue;
+            }
+            let mut xe = Vec::with_capacity(rows.len() * d);
+            for &r in rows {
+                xe.extend_from_slice(&xv[r as usize * d..(r as usize + 1) * d]);
+            }
+            // SAFETY: slab ei of a contiguous CPU f32 (E, D, D) tensor.
+            let hv =
+                unsafe { std::slice::from_raw_parts_mut((hp as *mut f32).add(ei * d * d), d * d) };
+            forge_core::matmul::syrk_update(hv, &xe, rows.len(), d, alpha)?;
+        }
+        Ok(())
+    })?
+    .map_err(|err| core_err(py, err))
 }

@@ -53,6 +53,8 @@ pub struct Tensor<'py> {
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub device: String,
+    /// CUDA device ordinal (0 for CPU tensors).
+    pub index: usize,
     pub ptr: usize,
 }
 
@@ -90,7 +92,9 @@ impl<'py> Tensor<'py> {
             )
         })?;
         let shape: Vec<usize> = obj.getattr("shape")?.extract()?;
-        let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
+        let dev = obj.getattr("device")?;
+        let device: String = dev.getattr("type")?.extract()?;
+        let index: Option<usize> = dev.getattr("index")?.extract()?;
         let ptr: usize = obj.call_method0("data_ptr")?.extract()?;
         Ok(Tensor {
             name,
@@ -98,6 +102,7 @@ impl<'py> Tensor<'py> {
             dtype,
             shape,
             device,
+            index: index.unwrap_or(0),
             ptr,
         })
     }
@@ -116,6 +121,45 @@ impl<'py> Tensor<'py> {
                     "{}: expected a CPU tensor, got device {}",
                     self.name, self.device
                 ),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn is_cuda(&self) -> bool {
+        self.device == "cuda"
+    }
+
+    /// Errors unless the tensor is on the same device as `other`.
+    pub fn require_same_device(&self, other: &Tensor<'_>) -> PyResult<()> {
+        if self.device != other.device || self.index != other.index {
+            return Err(raise(
+                self.obj.py(),
+                "DeviceError",
+                format!(
+                    "{}: expected a tensor on {}:{} like {}, got {}:{}",
+                    self.name, other.device, other.index, other.name, self.device, self.index
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Errors if a CUDA tensor holds NaN or Inf (CPU tensors are checked by the core).
+    pub fn require_finite_cuda(&self) -> PyResult<()> {
+        let finite: bool = self
+            .obj
+            .py()
+            .import("torch")?
+            .call_method1("isfinite", (&self.obj,))?
+            .call_method0("all")?
+            .call_method0("item")?
+            .extract()?;
+        if !finite {
+            return Err(raise(
+                self.obj.py(),
+                "InvalidValueError",
+                format!("{}: holds NaN or Inf values", self.name),
             ));
         }
         Ok(())
@@ -194,6 +238,22 @@ pub fn empty<'py>(
     kw.set_item("dtype", torch.getattr(dtype.torch_name())?)?;
     let t = torch.call_method("empty", (shape.to_vec(),), Some(&kw))?;
     let ptr: usize = t.call_method0("data_ptr")?.extract()?;
+    Ok((t, ptr))
+}
+
+/// `torch.empty(shape, dtype=..., device=like.device)` for a tensor on a CUDA device.
+pub fn empty_on<'py>(
+    py: Python<'py>,
+    shape: &[usize],
+    dtype: DType,
+    like: &Tensor<'py>,
+) -> PyResult<(Bound<'py, PyAny>, u64)> {
+    let torch = py.import("torch")?;
+    let kw = PyDict::new(py);
+    kw.set_item("dtype", torch.getattr(dtype.torch_name())?)?;
+    kw.set_item("device", like.obj.getattr("device")?)?;
+    let t = torch.call_method("empty", (shape.to_vec(),), Some(&kw))?;
+    let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
     Ok((t, ptr))
 }
 

@@ -1,0 +1,275 @@
+"""GPU benchmark of the CUDA kernels against peers run in the same process (ratios).
+
+    python benches/bench_cuda.py [--json out.json] [--quick] [--only gemm,pack,gptq,mse]
+
+Peers: bf16 ``X @ W.T`` (cuBLAS) and ``torch.ops.aten._weight_int4pack_mm`` (PyTorch's
+int4 "tinygemm") for the W4A16 GEMM; a device-to-device copy for the fused AWQ
+quantize+pack; the GPTQ authors' blocked "fasterquant" loop (one matrix) and the same loop
+vectorised over experts with ``torch.bmm`` (static groups) for the GPTQ solver; a
+vectorised plain-PyTorch MSE grid search. DeepSeek-V3 shapes, group 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+import forge
+
+G = 128
+SHAPES = [(7168, 2048), (2048, 7168), (7168, 18432)]  # (K, N)
+
+
+def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call, CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), reps=10)
+    return 2 * src.numel() / t
+
+
+def awq_weights(k: int, n: int, dtype=torch.bfloat16):
+    w = torch.randn(n, k, device="cuda", dtype=dtype) * 0.02
+    qmeta, _, _ = forge.build_quant_grid(w, G, 4, False, "range")
+    return w, qmeta, forge.quantize_pack_awq(w, qmeta, G)
+
+
+def bench_gemm(rows, bw):
+    for k, n in SHAPES:
+        w, _, (qw, qz, sc) = awq_weights(k, n)
+        # tinygemm wants its own packing of the same 4-bit weights
+        codes = forge.unpack_awq(qw, qz, G)[0].t().contiguous()  # (N, K) uint8
+        w_int4 = torch.ops.aten._convert_weight_to_int4pack(
+            (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), 8
+        )
+        zeros = forge.unpack_awq(qw, qz, G)[1].to(torch.bfloat16)
+        s = sc.to(torch.bfloat16)
+        # tinygemm: w = (q - 8) * s + zp  ->  zp = (8 - z) * s
+        sz = torch.stack([s, (8 - zeros) * s], dim=-1).contiguous()  # (K/G, N, 2)
+        limit = (qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2) / bw
+        for m in (1, 16, 128):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = cuda_time(lambda x=x: x @ w.t())
+            t_tiny = cuda_time(lambda x=x: torch.ops.aten._weight_int4pack_mm(x, w_int4, G, sz))
+            t_ours = cuda_time(lambda x=x: forge.awq_matmul(x, qw, qz, sc, G))
+            ref = x.float() @ forge.dequantize_awq(qw, qz, sc, G).t()
+            err = float((forge.awq_matmul(x, qw, qz, sc, G).float() - ref).abs().max() / ref.abs().max())
+            rows.append(
+                dict(
+                    op="w4a16_gemm",
+                    shape=f"K={k} N={n}",
+                    M=m,
+                    peer="bf16 cuBLAS",
+                    peer_us=t_bf16 * 1e6,
+                    ours_us=t_ours * 1e6,
+                    ratio=t_bf16 / t_ours,
+                    limit_pct=100 * limit / t_ours,
+                    vs_tinygemm=t_tiny / t_ours,
+                    tinygemm_us=t_tiny * 1e6,
+                    rel_err=err,
+                )
+            )
+            print_row(rows[-1])
+
+
+def bench_pack(rows, bw):
+    for k, n in SHAPES:
+        for dt in (torch.bfloat16, torch.float8_e4m3fn):
+            w32 = torch.randn(n, k, device="cuda") * 0.02
+            w = w32.to(dt)
+            qmeta, _, _ = forge.build_quant_grid(w, G, 4, False, "range")
+            t = cuda_time(lambda w=w, qmeta=qmeta: forge.quantize_pack_awq(w, qmeta, G))
+            moved = w.numel() * w.element_size() + qmeta.numel() + k * n // 2 + (k // G) * n * (2 + 0.5)
+            t_copy = cuda_time(lambda w=w: w.clone())
+            rows.append(
+                dict(
+                    op="awq_quant_pack",
+                    shape=f"K={k} N={n} {str(dt)[6:]}",
+                    M="-",
+                    peer="d2d copy of W",
+                    peer_us=t_copy * 1e6,
+                    ours_us=t * 1e6,
+                    ratio=t_copy / t,
+                    limit_pct=100 * moved / t / bw,
+                )
+            )
+            print_row(rows[-1])
+
+
+def bench_mse(rows):
+    for k, n in SHAPES[:2]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+
+        def peer(w=w):
+            x = w.float().reshape(n, -1, G)
+            xmin, xmax = x.amin(-1), x.amax(-1)
+            s0 = (xmax - xmin) / 15 + 1e-9
+            z = torch.clamp(torch.round(-xmin / s0), 0, 15)
+            p = torch.linspace(0.8, 1.2, 100, device="cuda")
+            best = torch.full_like(s0, math.inf)
+            best_s = s0.clone()
+            for i in range(0, 100, 10):  # 10 candidates at a time keeps memory bounded
+                s = s0[..., None] * p[i : i + 10]
+                q = torch.clamp(torch.round(x[..., None, :] / s[..., None] + z[..., None, None]), 0, 15)
+                loss = ((q - z[..., None, None]) * s[..., None] - x[..., None, :]).abs().pow(2.4).sum(-1)
+                lv, li = loss.min(-1)
+                better = lv < best
+                best = torch.where(better, lv, best)
+                best_s = torch.where(better, s.gather(-1, li[..., None])[..., 0], best_s)
+            return best_s
+
+        t_peer = cuda_time(peer, reps=3, warmup=1)
+        t_ours = cuda_time(lambda w=w: forge.build_quant_grid(w, G, 4, False, "mse"), reps=5)
+        rows.append(
+            dict(
+                op="mse_grid",
+                shape=f"K={k} N={n}",
+                M="-",
+                peer="torch vectorised",
+                peer_us=t_peer * 1e6,
+                ours_us=t_ours * 1e6,
+                ratio=t_peer / t_ours,
+            )
+        )
+        print_row(rows[-1])
+
+
+def gptq_reference_bmm(w, hinv, scale, zero, block=128):
+    """The authors' fasterquant loop vectorised over E matrices with bmm (static groups).
+    w (E, N, K) f32, hinv (E, K, K) upper factor, scale/zero (E, N, K/G)."""
+    w = w.clone()
+    e, n, k = w.shape
+    q_out = torch.empty_like(w)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        w1 = w[:, :, i1:i2].clone()
+        err1 = torch.empty_like(w1)
+        h1 = hinv[:, i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            g = (i1 + i) // G
+            s, z = scale[:, :, g], zero[:, :, g]
+            wc = w1[:, :, i]
+            q = (torch.clamp(torch.round(wc / s + z), 0, 15) - z) * s
+            q_out[:, :, i1 + i] = q
+            d = h1[:, i, i]
+            ec = (wc - q) / d[:, None]
+            w1[:, :, i:] -= torch.bmm(ec[:, :, None], h1[:, i : i + 1, i:])
+            err1[:, :, i] = ec
+        w[:, :, i2:] -= torch.bmm(err1, hinv[:, i1:i2, i2:])
+    return q_out
+
+
+def bench_gptq(rows, batch):
+    for n, k in [(2048, 7168), (7168, 2048)]:  # (N, K): gate/up and down of a routed expert
+        for e in (1, batch):
+            w = torch.randn(e, n, k, device="cuda") * 0.02
+            x = torch.randn(e, 2 * k, k, device="cuda") @ (
+                torch.eye(k, device="cuda") + 0.05 * torch.randn(k, k, device="cuda")
+            )
+            h = 2 * x.transpose(1, 2) @ x / x.shape[1]
+            del x
+            u, _, _, _, _ = forge.prepare_hessian_batched(h, 0.01)
+            del h
+            qm = torch.stack([forge.build_quant_grid(w[i], G, 4, False, "range")[0] for i in range(e)])
+            sc, zr, _ = forge.decode_qmeta(qm)
+            sc, zr = sc.cuda(), zr.cuda().float()
+            wt = w.transpose(1, 2).contiguous()
+
+            def ours(wt=wt, u=u, qm=qm):
+                return forge.gptq_solve_batched(wt, u, qm, 4, G, 128)
+
+            def peer(w=w, u=u, sc=sc, zr=zr):
+                return gptq_reference_bmm(w, u, sc, zr)
+
+            reps = 3 if e == 1 else 1
+            t_ours = cuda_time(ours, reps=reps, warmup=1)
+            t_peer = cuda_time(peer, reps=1, warmup=1)
+            codes, deq = ours()
+            ref = peer()
+            diff = float((deq.transpose(1, 2) - ref).abs().max() / sc.max())
+            flops = 2 * n * k * k * e
+            label = "fasterquant loop" if e == 1 else f"bmm loop, {e} experts"
+            rows.append(
+                dict(
+                    op="gptq",
+                    shape=f"{n}x{k} x{e}",
+                    M="-",
+                    peer=label,
+                    peer_us=t_peer * 1e6,
+                    ours_us=t_ours * 1e6,
+                    ratio=t_peer / t_ours,
+                    per_matrix_ms=t_ours * 1e3 / e,
+                    tflops=flops / t_ours / 1e12,
+                    max_diff_in_scales=diff,
+                )
+            )
+            print_row(rows[-1])
+            del w, u, qm, wt
+
+
+def print_row(r):
+    extra = ""
+    if "limit_pct" in r:
+        extra += f"  {r['limit_pct']:5.1f}% of limit"
+    if "vs_tinygemm" in r:
+        extra += f"  x{r['vs_tinygemm']:.2f} vs tinygemm"
+    if "per_matrix_ms" in r:
+        extra += f"  {r['per_matrix_ms']:.2f} ms/matrix {r['tflops']:.1f} TFLOP/s"
+    print(
+        f"{r['op']:15s} {r['shape']:22s} M={str(r['M']):>4s} {r['peer']:22s} {r['peer_us']:10.1f}us "
+        f"ours {r['ours_us']:10.1f}us  x{r['ratio']:6.2f}{extra}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default="gemm,pack,mse,gptq")
+    ap.add_argument("--batch", type=int, default=64, help="experts per batched GPTQ call")
+    args = ap.parse_args()
+    st = forge.cuda_status()
+    print(st)
+    if not st["available"]:
+        raise SystemExit(f"CUDA not available: {st['reason']}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}, d2d copy {bw / 1e12:.2f} TB/s (read + write)")
+    rows = []
+    only = set(args.only.split(","))
+    if "gemm" in only:
+        bench_gemm(rows, bw)
+    if "pack" in only:
+        bench_pack(rows, bw)
+    if "mse" in only:
+        bench_mse(rows)
+    if "gptq" in only:
+        bench_gptq(rows, args.batch)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=bw, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,894 @@
+//! Launch functions on raw device pointers and a caller-provided stream.
+//!
+//! Every function validates shapes and divisibility, then launches asynchronously on
+//! `stream` (a raw `CUstream`, e.g. `torch.cuda.current_stream().cuda_stream`; 0 = the
+//! legacy default stream) of `device`, after binding that device's primary context on the
+//! calling thread. Pointers are device addresses (`tensor.data_ptr()`), row-major and
+//! contiguous, with the dtypes documented per function.
+//!
+//! # Safety (all functions)
+//! Every pointer must point to device memory of `device` that holds at least the documented
+//! number of elements, stays alive until the work on `stream` has finished, and is not
+//! written concurrently by other work. Output buffers must not alias inputs unless stated.
+
+use crate::error::{CudaError, DrvExt, Result};
+use crate::kernels::Module;
+use crate::runtime::{device, launch, Device};
+use cudarc::driver::{result as dr, sys};
+use forge_core::grid::{GridSpec, MseSpec};
+use std::ffi::c_void;
+
+/// Where to launch: a device ordinal and a raw `CUstream` handle (0 = legacy default stream).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stream {
+    /// Device ordinal.
+    pub device: usize,
+    /// Raw `CUstream` (0 = legacy default stream).
+    pub handle: u64,
+}
+
+impl Stream {
+    /// The legacy default stream of `device`.
+    pub fn default_of(device: usize) -> Self {
+        Stream { device, handle: 0 }
+    }
+}
+
+/// Element type of an input tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// float32
+    F32,
+    /// float16
+    F16,
+    /// bfloat16
+    Bf16,
+    /// float8 E4M3 (raw bytes)
+    F8E4M3,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+            DType::F8E4M3 => 1,
+        }
+    }
+    fn suffix(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+            DType::F8E4M3 => "f8e4m3",
+        }
+    }
+}
+
+macro_rules! args {
+    ($($a:ident),* $(,)?) => {
+        [$( (&mut $a) as *mut _ as *mut c_void ),*]
+    };
+}
+
+fn kname(prefix: &str, dt: DType) -> Result<&'static str> {
+    let full = format!("{prefix}_{}", dt.suffix());
+    crate::kernels::all_kernels()
+        .find(|k| *k == full)
+        .ok_or(CudaError::arg(
+            "dtype",
+            format!("a dtype supported by {prefix}"),
+            format!("{dt:?}"),
+        ))
+}
+
+fn to_i32(name: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CudaError::arg(name, "a value below 2^31", v))
+}
+
+fn check_spec(spec: &GridSpec) -> Result<()> {
+    spec.validate()
+        .map_err(|e| CudaError::arg("spec", "a valid GridSpec", e))
+}
+
+fn check_nonzero(name: &'static str, v: usize) -> Result<()> {
+    if v == 0 {
+        return Err(CudaError::arg(name, "a positive size", v));
+    }
+    Ok(())
+}
+
+fn check_align(name: &'static str, ptr: u64, align: u64) -> Result<()> {
+    if ptr == 0 || !ptr.is_multiple_of(align) {
+        return Err(CudaError::arg(
+            name,
+            format!("a non-null device pointer aligned to {align} bytes"),
+            format!("{ptr:#x}"),
+        ));
+    }
+    Ok(())
+}
+
+fn blocks(n: usize, per: usize) -> Result<u32> {
+    u32::try_from(n.div_ceil(per)).map_err(|_| CudaError::arg("grid", "fewer than 2^32 blocks", n))
+}
+
+fn dev_of(s: Stream) -> Result<&'static Device> {
+    device(s.device)
+}
+
+// ---------------------------------------------------------------------------------------
+// (a) qmeta grids
+
+/// Range grid (spec §6.2): `qmeta[rows, ceil(cols/G)]` (u32) from `x[rows, cols]` of `dtype`.
+/// Bit-identical to `forge_core::grid::build_range`. Inputs must be finite (not checked here).
+///
+/// # Safety
+/// See the module documentation.
+pub unsafe fn qmeta_range(
+    x: u64,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    spec: &GridSpec,
+    qmeta: u64,
+    s: Stream,
+) -> Result<()> {
+    check_spec(spec)?;
+    check_nonzero("rows", rows)?;
+    check_nonzero("cols", cols)?;
+    check_align("x", x, dtype.size() as u64)?;
+    check_align("qmeta", qmeta, 4)?;
+    let dev = dev_of(s)?;
+    let f = dev.function(kname("qmeta_range", dtype)?)?;
+    let groups = rows.checked_mul(spec.groups(cols)).ok_or(CudaError::arg(
+        "rows",
+        "rows·groups < 2^63",
+        rows,
+    ))?;
+    let grid = blocks(groups * 32, 256)?;
+    let (mut px, mut pq) = (x, qmeta);
+    let (mut r, mut c, mut g) = (
+        to_i32("rows", rows)?,
+        to_i32("cols", cols)?,
+        to_i32("group_size", spec.group_size)?,
+    );
+    let (mut bits, mut sym) = (spec.bits as i32, spec.symmetric as i32);
+    let mut p = args!(px, pq, r, c, g, bits, sym);
+    // SAFETY: parameter list matches qmeta_range_<dt>; pointers per the caller's contract.
+    unsafe { launch(dev, f, (grid, 1, 1), (256, 1, 1), 0, s.handle, &mut p) }
+}
+
+/// MSE / L^p refinement (spec §6.3) of `qmeta` in place. Bit-identical to
+/// `forge_core::grid::refine_mse`. The candidate grid goes to `__constant__` memory with a
+/// copy ordered on `s` (concurrent calls on different streams with different grids race).
+///
+/// # Safety
+/// See the module documentation.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn qmeta_mse(
+    x: u64,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    spec: &GridSpec,
+    mse: &MseSpec,
+    qmeta: u64,
+    s: Stream,
+) -> Result<()> {
+    check_spec(spec)?;
+    mse.validate()
+        .map_err(|e| CudaError::arg("mse", "a valid MseSpec", e))?;
+    check_nonzero("rows", rows)?;
+    check_nonzero("cols", cols)?;
+    check_align("x", x, dtype.size() as u64)?;
+    check_align("qmeta", qmeta, 4)?;
+    let dev = dev_of(s)?;
+    let f = dev.function(kname("qmeta_mse", dtype)?)?;
+    let cands = mse.candidates();
+    let (cp, cp_bytes) = dev.global(Module::Grid, "c_p")?;
+    if std::mem::size_of_val(cands.as_slice()) > cp_bytes {
+        return Err(CudaError::arg("n_grid", "at most 1024", cands.len()));
+    }
+    dev.bind()?;
+    // SAFETY: cp is the module's c_p symbol, large enough; pageable source is staged
+    // before the call returns.
+    unsafe { dr::memcpy_htod_async(cp, &cands, s.handle as sys::CUstream) }
+        .drv("cuMemcpyHtoDAsync")?;
+    let groups = rows.checked_mul(spec.groups(cols)).ok_or(CudaError::arg(
+        "rows",
+        "rows·groups < 2^63",
+        rows,
+    ))?;
+    let grid = blocks(groups * 32, 128)?;
+    let smem = (4 * spec.group_size * 4) as u32;
+    let (mut px, mut pq) = (x, qmeta);
+    let (mut r, mut c, mut g) = (
+        to_i32("rows", rows)?,
+        to_i32("cols", cols)?,
+        to_i32("group_size", spec.group_size)?,
+    );
+    let (mut bits, mut ng, mut norm) = (spec.bits as i32, cands.len() as i32, mse.norm);
+    let mut p = args!(px, pq, r, c, g, bits, ng, norm);
+    // SAFETY: parameter list matches qmeta_mse_<dt>.
+    unsafe { launch(dev, f, (grid, 1, 1), (128, 1, 1), smem, s.handle, &mut p) }
+}
+
+// ---------------------------------------------------------------------------------------
+// (b) packing
+
+fn check_pack(k: usize, n: usize, spec: &GridSpec) -> Result<()> {
+    forge_core::pack::check_pack_shape(k, n, spec)
+        .map_err(|e| CudaError::arg("shape", "K % G == 0, N % 8 == 0, 4 bits", e))
+}
+
+/// Fused round-to-nearest quantize + AWQ pack of `w[N, K]` (`dtype`) on its grid
+/// `qmeta[N, K/G]` into `qweight i32[K, N/8]`, `qzeros i32[K/G, N/8]`, `scales f16[K/G, N]`.
+/// Bit-identical to `forge_core::pack::quantize_pack_awq`. Requires `K % G == 0`,
+/// `N % 8 == 0`, 4 bits; `w` 16-byte aligned (32 for f32).
+///
+/// # Safety
+/// See the module documentation.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn awq_quantize_pack(
+    w: u64,
+    dtype: DType,
+    n: usize,
+    k: usize,
+    qmeta: u64,
+    spec: &GridSpec,
+    qweight: u64,
+    qzeros: u64,
+    scales: u64,
+    s: Stream,
+) -> Result<()> {
+    check_pack(k, n, spec)?;
+    check_align("weight", w, if dtype == DType::F32 { 32 } else { 16 })?;
+    check_align("qmeta", qmeta, 4)?;
+    check_align("qweight", qweight, 8)?;
+    check_align("qzeros", qzeros, 4)?;
+    check_align("scales", scales, 2)?;
+    let dev = dev_of(s)?;
+    let f = dev.function(kname("awq_quant_pack", dtype)?)?;
+    let (mut pw, mut pm, mut pqw, mut pqz, mut psc) = (w, qmeta, qweight, qzeros, scales);
+    let (mut nn, mut kk, mut g, mut bits) = (
+        to_i32("n", n)?,
+        to_i32("k", k)?,
+        spec.group_size as i32,
+        spec.bits as i32,
+    );
+    let mut p = args!(pw, pm, pqw, pqz, psc, nn, kk, g, bits);
+    let grid = (blocks(k, 32)?, blocks(n, 256)?, 1);
+    // SAFETY: parameter list matches awq_quant_pack_<dt>.
+    unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
+}
+
+/// Packs codes `u8[K, N]` (the GPTQ solver's output, in `weight_t` layout) with their grid
+/// `qmeta[N, K/G]` into the AWQ layout (`qweight i32[K, N/8]`, `qzeros i32[K/G, N/8]`,
+/// `scales f16[K/G, N]`). Bit-identical to `forge_core::pack::pack_awq` for codes ≤ 15.
+///
+/// # Safety
+/// See the module documentation.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn awq_pack_codes(
+    codes: u64,
+    qmeta: u64,
+    k: usize,
+    n: usize,
+    spec: &GridSpec,
+    qweight: u64,
+    qzeros: u64,
+    scales: u64,
+    s: Stream,
+) -> Result<()> {
+    check_pack(k, n, spec)?;
+    check_align("codes", codes, 8)?;
+    let dev = dev_of(s)?;
+    let f1 = dev.function("awq_pack_codes")?;
+    let f2 = dev.function("awq_pack_meta")?;
+    let (mut pc, mut pqw, mut kk, mut nn) = (codes, qweight, to_i32("k", k)?, to_i32("n", n)?);
+    let mut p = args!(pc, pqw, kk, nn);
+    // SAFETY: parameter lists match awq_pack_codes / awq_pack_meta.
+    unsafe {
+        launch(
+            dev,
+            f1,
+            (blocks(k * n / 8, 256)?, 1, 1),
+            (256, 1, 1),
+            0,
+            s.handle,
+            &mut p,
+        )?
+    };
+    let ngroups = k / spec.group_size;
+    let (mut pm, mut pqz, mut psc, mut n2, mut ng, mut bits) = (
+        qmeta,
+        qzeros,
+        scales,
+        to_i32("n", n)?,
+        ngroups as i32,
+        spec.bits as i32,
+    );
+    let mut p = args!(pm, pqz, psc, n2, ng, bits);
+    unsafe {
+        launch(
+            dev,
+            f2,
+            (blocks(ngroups * n / 8, 256)?, 1, 1),
+            (256, 1, 1),
+            0,
+            s.handle,
+            &mut p,
+        )
+    }
+}
+
+/// Packs codes `u8[K, N]` into the GPTQ v1 layout: `qweight i32[K/8, N]`,
+/// `qzeros i32[K/G, N/8]` (z − 1, plain order), `scales f16[K/G, N]`. A zero point of 0
+/// cannot be stored in v1: when `bad_flag` (a device u32, or 0) is given, the kernel sets
+/// it to 1 in that case (the CPU `pack_gptq` returns an error). `g_idx` is `k / G` and is
+/// left to the caller.
+///
+/// # Safety
+/// See the module documentation.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gptq_pack_codes(
+    codes: u64,
+    qmeta: u64,
+    k: usize,
+    n: usize,
+    spec: &GridSpec,
+    qweight: u64,
+    qzeros: u64,
+    scales: u64,
+    bad_flag: u64,
+    s: Stream,
+) -> Result<()> {
+    check_pack(k, n, spec)?;
+    let dev = dev_of(s)?;
+    let f1 = dev.function("gptq_pack_codes")?;
+    let f2 = dev.function("gptq_pack_meta")?;
+    let (mut pc, mut pqw, mut kk, mut nn) = (codes, qweight, to_i32("k", k)?, to_i32("n", n)?);
+    let mut p = args!(pc, pqw, kk, nn);
+    // SAFETY: parameter lists match gptq_pack_codes / gptq_pack_meta.
+    unsafe {
+        launch(
+            dev,
+            f1,
+            (blocks(k / 8 * n, 256)?, 1, 1),
+            (256, 1, 1),
+            0,
+            s.handle,
+            &mut p,
+        )?
+    };
+    let ngroups = k / spec.group_size;
+    let (mut pm, mut pqz, mut psc, mut pb, mut n2, mut ng, mut bits) = (
+        qmeta,
+        qzeros,
+        scales,
+        bad_flag,
+        to_i32("n", n)?,
+        ngroups as i32,
+        spec.bits as i32,
+    );
+    let mut p = args!(pm, pqz, psc, pb, n2, ng, bits);
+    unsafe {
+        launch(
+            dev,
+            f2,
+            (blocks(ngroups * n / 8, 256)?, 1, 1),
+            (256, 1, 1),
+            0,
+            s.handle,
+            &mut p,
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// (c) W4A16 GEMM
+
+const GEMM_BN: usize = 256;
+const GEMM_BK: usize = 32;
+/// Largest shared-memory slice of x the GEMV path stages per block (bytes).
+const GEMV_SMEM: usize = 48 * 1024;
+/// Same for the GEMV v2 path (which also holds 4 warp rings of 8 × 928 bytes).
+const GEMV2_XSMEM: usize = 24 * 1024;
+const GEMV2_RINGS: usize = 4 * 8 * 928;
+
+/// GEMV kernel version for M <= 16: 1 (weights prefetched into registers, three batches
+/// in flight; the default, fastest measured) or 2 (per-warp cp.async rings in shared
+/// memory; experimental, `FORGE_GEMV=2`).
+fn gemv_version() -> usize {
+    match std::env::var("FORGE_GEMV").as_deref() {
+        Ok("2") => 2,
+        _ => 1,
+    }
+}
+
+/// How the GEMM splits its work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GemmPlan {
+    /// 0 = GEMV path (M <= 16), else m16 tiles per block of the tiled path.
+    mt: usize,
+    /// GEMV kernel version (1 or 2) when `mt == 0`.
+    gemv: usize,
+    /// Blocks along N.
+    nblocks: usize,
+    /// Blocks along M.
+    mblocks: usize,
+    /// K splits (blockIdx.z).
+    splits: usize,
+    /// K per split (multiple of 32).
+    k_chunk: usize,
+    /// Dynamic shared memory (GEMV path).
+    smem: usize,
+}
+
+/// Number of K splits in `lo..=hi` whose grid (`base · s` equal blocks) best fills whole
+/// waves of `slots` resident blocks: the smallest `s` with at least one full wave and a
+/// last wave at least 85 % full, else the best-filled one.
+fn pick_splits(base: usize, slots: usize, lo: usize, hi: usize) -> usize {
+    let slots = slots.max(1);
+    let hi = hi.max(lo);
+    let eff = |s: usize| {
+        let b = (base * s) as f64 / slots as f64;
+        b / b.ceil()
+    };
+    (lo..=hi)
+        .find(|&s| base * s >= slots && eff(s) >= 0.85)
+        .unwrap_or_else(|| {
+            (lo..=hi).fold(
+                lo,
+                |best, s| if eff(s) > eff(best) + 1e-9 { s } else { best },
+            )
+        })
+}
+
+/// `slots` = resident blocks per SM × SMs (one full wave).
+fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmPlan {
+    let tiles = k / GEMM_BK;
+    if m <= 16 && gemv_ok {
+        let gemv = gemv_version();
+        let nblocks = (n / 8).div_ceil(8);
+        // Largest K slice that fits the shared-memory budget, in units of 32.
+        let budget = if gemv == 2 { GEMV2_XSMEM } else { GEMV_SMEM };
+        let kmax = ((budget / (2 * (m + 1))).saturating_sub(8) / GEMM_BK).max(4);
+        let lo = tiles.div_ceil(kmax).max(1);
+        // Every warp of a block gets at least two batches of 32.
+        let hi = (tiles / 8).max(lo);
+        let splits = pick_splits(nblocks, slots, lo, hi);
+        let per = tiles.div_ceil(splits).max(1);
+        let splits = tiles.div_ceil(per);
+        let k_chunk = per * GEMM_BK;
+        let xbytes = (2 * (m + 1) * (k_chunk + 8)).div_ceil(16) * 16;
+        let smem = if gemv == 2 {
+            xbytes + GEMV2_RINGS
+        } else {
+            xbytes.max(3 * 32 * 32 * 4)
+        };
+        return GemmPlan {
+            mt: 0,
+            gemv,
+            nblocks,
+            mblocks: 1,
+            splits,
+            k_chunk,
+            smem,
+        };
+    }
+    let mt = if m <= 16 {
+        1
+    } else if m <= 32 {
+        2
+    } else {
+        4
+    };
+    let mblocks = m.div_ceil(16 * mt);
+    let nblocks = n.div_ceil(GEMM_BN);
+    let base = mblocks * nblocks;
+    // At least 4 k-tiles per split and at most 4 splits (bounds the fp32 workspace).
+    let splits = pick_splits(base, slots, 1, (tiles / 4).clamp(1, 4));
+    let per = tiles.div_ceil(splits).max(1);
+    let splits = tiles.div_ceil(per);
+    GemmPlan {
+        mt,
+        gemv: 0,
+        nblocks,
+        mblocks,
+        splits,
+        k_chunk: per * GEMM_BK,
+        smem: 0,
+    }
+}
+
+fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
+    let suffix = if act == DType::F16 { "f16" } else { "bf16" };
+    let mt = plan.mt;
+    let name = if mt == 0 && plan.gemv == 2 {
+        format!("w4a16_gemv2_{suffix}")
+    } else if mt == 0 {
+        format!("w4a16_gemv_{suffix}")
+    } else {
+        format!("w4a16_awq_{suffix}_m{mt}")
+    };
+    crate::kernels::all_kernels()
+        .find(|k| *k == name)
+        .ok_or(CudaError::MissingKernel(name))
+}
+
+fn plan_for(
+    dev: &Device,
+    act: DType,
+    m: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> Result<(GemmPlan, crate::runtime::Func)> {
+    // The GEMV path (power-of-two groups) depends on its shared memory for occupancy:
+    // plan with an estimate first.
+    let gemv_ok = group_size.is_power_of_two();
+    let sms = dev.sm_count.max(1) as usize;
+    let probe = gemm_plan(sms * 4, m, n, k, gemv_ok);
+    let f = dev.function(gemm_kernel_name(act, &probe)?)?;
+    let occ = dev.occupancy(f, 128, probe.smem);
+    Ok((gemm_plan(sms * occ, m, n, k, gemv_ok), f))
+}
+
+/// Bytes of fp32 workspace [`w4a16_gemm_awq`] needs for this shape on `device` (0 when it
+/// does not split K).
+pub fn w4a16_workspace_bytes(
+    device_ordinal: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> Result<usize> {
+    let dev = device(device_ordinal)?;
+    let mut bytes = 0;
+    for act in [DType::F16, DType::Bf16] {
+        let (plan, _) = plan_for(dev, act, m, n, k, group_size)?;
+        if plan.splits > 1 {
+            bytes = bytes.max(plan.splits * m * n * 4);
+        }
+    }
+    Ok(bytes)
+}
+
+/// `y[M, N] = x[M, K] · dequant(W)ᵀ` reading the AWQ tensors directly: `x`, `y` of `act`
+/// (F16 or Bf16), `qweight i32[K, N/8]`, `qzeros i32[K/G, N/8]`, `scales f16[K/G, N]`;
+/// fp32 accumulation on tensor cores. Requires `K % G == 0`, `G % 32 == 0`, `N % 32 == 0`
+/// and 16-byte aligned `x`, `qweight`, `scales`. For bf16 activations the weights are
+/// dequantised as `(q − z)·bf16(scale)` rounded to bf16 (as vLLM does with bf16 scales).
+///
+/// When K is split (small M) an fp32 workspace of [`w4a16_workspace_bytes`] is needed: pass
+/// it (`workspace`, `workspace_bytes`), or 0 to allocate it stream-ordered on `s`.
+///
+/// # Safety
+/// See the module documentation.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn w4a16_gemm_awq(
+    x: u64,
+    act: DType,
+    m: usize,
+    k: usize,
+    n: usize,
+    group_size: usize,
+    qweight: u64,
+    qzeros: u64,
+    scales: u64,
+    y: u64,
+    workspace: u64,
+    workspace_bytes: usize,
+    s: Stream,
+) -> Result<()> {
+    if !matches!(act, DType::F16 | DType::Bf16) {
+        return Err(CudaError::arg("act", "F16 or Bf16", format!("{act:?}")));
+    }
+    check_nonzero("m", m)?;
+    if group_size == 0 || !group_size.is_multiple_of(32) {
+        return Err(CudaError::arg(
+            "group_size",
+            "a positive multiple of 32",
+            group_size,
+        ));
+    }
+    if k == 0 || !k.is_multiple_of(group_size) {
+        return Err(CudaError::arg(
+            "k",
+            format!("a positive multiple of group_size {group_size}"),
+            k,
+        ));
+    }
+    if n == 0 || !n.is_multiple_of(32) {
+        return Err(CudaError::arg("n", "a positive multiple of 32", n));
+    }
+    check_align("x", x, 16)?;
+    check_align("qweight", qweight, 16)?;
+    check_align("qzeros", qzeros, 4)?;
+    check_align("scales", scales, 16)?;
+    check_align("y", y, 2)?;
+    let dev = dev_of(s)?;
+    let (plan, f) = plan_for(dev, act, m, n, k, group_size)?;
+    let (splits, k_chunk) = (plan.splits, plan.k_chunk);
+    let block_x = if plan.mt == 0 { 8 * 8 } else { GEMM_BN };
+    let grid = (blocks(n, block_x)?, plan.mblocks as u32, splits as u32);
+    let smem = plan.smem as u32;
+    let (mut mm, mut nn, mut kk, mut g, mut kc) = (
+        to_i32("m", m)?,
+        to_i32("n", n)?,
+        to_i32("k", k)?,
+        if plan.mt == 0 {
+            group_size.trailing_zeros() as i32
+        } else {
+            group_size as i32
+        },
+        k_chunk as i32,
+    );
+    let (mut px, mut pqw, mut pqz, mut psc) = (x, qweight, qzeros, scales);
+    if splits == 1 {
+        let (mut out, mut split_out) = (y, 0i32);
+        let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
+        // SAFETY: parameter list matches w4a16_awq_<dt>_m<MT>.
+        return unsafe { launch(dev, f, grid, (128, 1, 1), smem, s.handle, &mut p) };
+    }
+    let need = splits * m * n * 4;
+    let stream = s.handle as sys::CUstream;
+    let (ws, owned) = if workspace != 0 {
+        if workspace_bytes < need {
+            return Err(CudaError::arg(
+                "workspace_bytes",
+                format!("at least {need}"),
+                workspace_bytes,
+            ));
+        }
+        check_align("workspace", workspace, 16)?;
+        (workspace, false)
+    } else {
+        dev.bind()?;
+        // SAFETY: stream-ordered allocation on the caller's stream, freed below on it.
+        (
+            unsafe { dr::malloc_async(stream, need) }.drv("cuMemAllocAsync")?,
+            true,
+        )
+    };
+    let res = (|| {
+        let (mut out, mut split_out) = (ws, 1i32);
+        let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
+        // SAFETY: as above; ws holds splits·M·N floats.
+        unsafe { launch(dev, f, grid, (128, 1, 1), smem, s.handle, &mut p)? };
+        let fr = dev.function(if act == DType::F16 {
+            "w4a16_reduce_f16"
+        } else {
+            "w4a16_reduce_bf16"
+        })?;
+        let (mut pws, mut py, mut sp, mut mn) = (ws, y, splits as i32, (m * n) as i64);
+        let mut p = args!(pws, py, sp, mn);
+        unsafe {
+            launch(
+                dev,
+                fr,
+                (blocks(m * n, 256)?, 1, 1),
+                (256, 1, 1),
+                0,
+                s.handle,
+                &mut p,
+            )
+        }
+    })();
+    if owned {
+        // SAFETY: allocated above on this stream.
+        unsafe { dr::free_async(ws, stream) }.drv("cuMemFreeAsync")?;
+    }
+    res
+}
+
+// ---------------------------------------------------------------------------------------
+// (d) Hessian
+
+/// `H[D, D] += alpha · XᵀX` for `x[T, D]` of `dtype` (F32, F16 or Bf16), fp32 accumulate.
+///
+/// # Safety
+/// See the module documentation.
+pub unsafe fn hessian_accumulate(
+    x: u64,
+    dtype: DType,
+    t: usize,
+    d: usize,
+    h: u64,
+    alpha: f32,
+    s: Stream,
+) -> Result<()> {
+    unsafe { hessian_launch(x, dtype, t, d, h, alpha, 0, 0, 1, s) }
+}
+
+/// Segmented Hessians for routed experts: for expert `e` in `0..experts`, the rows
+/// `idx[offsets[e] .. offsets[e+1]]` (i32 token indices into `x[T, D]`) are accumulated
+/// into `H_e = h + e·D·D` floats: `H_e += alpha · X_eᵀ X_e`. `offsets` is i32 `[experts + 1]`.
+///
+/// # Safety
+/// See the module documentation; every index must be `< T`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn hessian_accumulate_segmented(
+    x: u64,
+    dtype: DType,
+    d: usize,
+    idx: u64,
+    offsets: u64,
+    experts: usize,
+    h: u64,
+    alpha: f32,
+    s: Stream,
+) -> Result<()> {
+    check_align("idx", idx, 4)?;
+    check_align("offsets", offsets, 4)?;
+    check_nonzero("experts", experts)?;
+    unsafe { hessian_launch(x, dtype, 0, d, h, alpha, idx, offsets, experts, s) }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn hessian_launch(
+    x: u64,
+    dtype: DType,
+    t: usize,
+    d: usize,
+    h: u64,
+    alpha: f32,
+    idx: u64,
+    offsets: u64,
+    experts: usize,
+    s: Stream,
+) -> Result<()> {
+    if dtype == DType::F8E4M3 {
+        return Err(CudaError::arg("dtype", "F32, F16 or Bf16", "F8E4M3"));
+    }
+    check_nonzero("d", d)?;
+    check_align("x", x, dtype.size() as u64)?;
+    check_align("h", h, 4)?;
+    let dev = dev_of(s)?;
+    let f = dev.function(kname("hessian_accum", dtype)?)?;
+    let nb = d.div_ceil(64);
+    let tiles = nb * (nb + 1) / 2;
+    let (mut px, mut ph, mut pi, mut po) = (x, h, idx, offsets);
+    let (mut tt, mut dd, mut al) = (to_i32("t", t)?, to_i32("d", d)?, alpha);
+    let mut p = args!(px, ph, pi, po, tt, dd, al);
+    let grid = (
+        to_i32("tiles", tiles)? as u32,
+        to_i32("experts", experts)? as u32,
+        1,
+    );
+    // SAFETY: parameter list matches hessian_accum_<dt>.
+    unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
+}
+
+// ---------------------------------------------------------------------------------------
+// (e) GPTQ
+
+/// Largest GPTQ block size the CUDA solver supports.
+pub const GPTQ_MAX_BLOCK: usize = 128;
+
+/// Bytes of the error workspace [`gptq_solve`] needs: `experts · 128 · R` floats.
+pub fn gptq_workspace_bytes(experts: usize, r: usize) -> usize {
+    experts * GPTQ_MAX_BLOCK * r * 4
+}
+
+/// Blocked GPTQ (docs/numerics.md) on `experts` matrices of one shape, in place:
+/// `w`: f32 `[E, C, R]` (`weight_t`, updated: quantized rows hold x̂ on return),
+/// `u`: f32 `[E, C, C]` upper Cholesky factor of H⁻¹ (processing order), `qmeta`:
+/// u32 `[E, R, ceil(C/G)]`, `perm`: i32 `[E, C]` or 0, `codes`: u8 `[E, C, R]` (original
+/// order), `err_ws`: f32 workspace of [`gptq_workspace_bytes`]. `block_size` ≤ 128.
+///
+/// # Safety
+/// See the module documentation.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gptq_solve(
+    w: u64,
+    u: u64,
+    qmeta: u64,
+    perm: u64,
+    codes: u64,
+    err_ws: u64,
+    experts: usize,
+    c: usize,
+    r: usize,
+    spec: &GridSpec,
+    block_size: usize,
+    s: Stream,
+) -> Result<()> {
+    check_spec(spec)?;
+    check_nonzero("experts", experts)?;
+    check_nonzero("c", c)?;
+    check_nonzero("r", r)?;
+    if block_size == 0 || block_size > GPTQ_MAX_BLOCK {
+        return Err(CudaError::arg("block_size", "1..=128", block_size));
+    }
+    for (name, p) in [
+        ("w", w),
+        ("u", u),
+        ("qmeta", qmeta),
+        ("codes", codes),
+        ("err_ws", err_ws),
+    ] {
+        check_align(name, p, 1)?;
+    }
+    let dev = dev_of(s)?;
+    let fb = dev.function("gptq_block_f32")?;
+    let ft = dev.function("gptq_trail_f32")?;
+    let ee = to_i32("experts", experts)? as u32;
+    let (ci, ri) = (to_i32("c", c)?, to_i32("r", r)?);
+    let mut i1 = 0usize;
+    while i1 < c {
+        let bsz = block_size.min(c - i1);
+        let (mut pw, mut pu, mut pq, mut pp, mut pc, mut pe) = (w, u, qmeta, perm, codes, err_ws);
+        let (mut cc, mut rr, mut g, mut bits, mut ii, mut bb) = (
+            ci,
+            ri,
+            spec.group_size as i32,
+            spec.bits as i32,
+            i1 as i32,
+            bsz as i32,
+        );
+        let mut p = args!(pw, pu, pq, pp, pc, pe, cc, rr, g, bits, ii, bb);
+        // SAFETY: parameter list matches gptq_block_f32.
+        unsafe {
+            launch(
+                dev,
+                fb,
+                (blocks(r, 64)?, ee, 1),
+                (64, 1, 1),
+                0,
+                s.handle,
+                &mut p,
+            )?
+        };
+        let i2 = i1 + bsz;
+        if i2 < c {
+            let (mut pw, mut pu, mut pe, mut pp) = (w, u, err_ws, perm);
+            let (mut cc, mut rr, mut ii, mut bb) = (ci, ri, i1 as i32, bsz as i32);
+            let mut p = args!(pw, pu, pe, pp, cc, rr, ii, bb);
+            let grid = (blocks(r, 64)?, blocks(c - i2, 64)?, ee);
+            // SAFETY: parameter list matches gptq_trail_f32.
+            unsafe { launch(dev, ft, grid, (256, 1, 1), 0, s.handle, &mut p)? };
+        }
+        i1 = i2;
+    }
+    Ok(())
+}
+
+/// Compiles and loads every kernel module on `device` (GPU self-test of the sources).
+pub fn compile_all(device_ordinal: usize) -> Result<()> {
+    device(device_ordinal)?.load_all()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemm_plan_shapes() {
+        for (m, n, k) in [
+            (1, 18432, 7168),
+            (16, 2048, 7168),
+            (3, 7168, 2048),
+            (128, 18432, 7168),
+            (40, 96, 256),
+        ] {
+            let p = gemm_plan(132 * 4, m, n, k, true);
+            assert!(
+                p.k_chunk.is_multiple_of(32)
+                    && p.splits * p.k_chunk >= k
+                    && (p.splits - 1) * p.k_chunk < k,
+                "{p:?}"
+            );
+            if m <= 16 {
+                assert_eq!(p.mt, 0);
+                assert!(p.smem <= 96 * 1024, "{p:?}");
+            } else {
+                assert!(p.splits <= 4);
+            }
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! Kernel timings with CUDA events (run with FORGE_BENCH=1 on a GPU; otherwise a no-op).
+//! Prints microseconds and effective bandwidth; the comparison against cuBLAS lives in the
+//! Python benchmarks.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{gpu, Lcg};
+use forge_core::grid::GridSpec;
+use forge_cuda::ops::{self, DType, Stream};
+use forge_cuda::{copy_d2d, time_ms, DeviceBuf};
+
+const S: Stream = Stream {
+    device: 0,
+    handle: 0,
+};
+
+fn enabled() -> bool {
+    gpu() && std::env::var_os("FORGE_BENCH").is_some()
+}
+
+/// FORGE_BENCH=gemm: only the GEMM table; FORGE_BENCH=ncu: one launch of each big GEMM
+/// (for a profiler); anything else: everything.
+fn mode() -> String {
+    std::env::var("FORGE_BENCH").unwrap_or_default()
+}
+
+fn rand_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut r = Lcg(seed);
+    (0..n).map(|_| r.next_u32() as u8).collect()
+}
+
+#[test]
+fn bench_all() {
+    if !enabled() {
+        eprintln!("bench skipped (needs a GPU and FORGE_BENCH=1)");
+        return;
+    }
+    let mode = mode();
+    if mode == "ncu" {
+        let (k, n, g) = (7168usize, 18432usize, 128usize);
+        let qw = DeviceBuf::from_slice(0, &rand_bytes(k * n / 2, 1)).unwrap();
+        let qz = DeviceBuf::from_slice(0, &rand_bytes(k / g * n / 2, 2)).unwrap();
+        let scales: Vec<u16> = (0..k / g * n)
+            .map(|i| half::f16::from_f32(0.01 + 1e-5 * (i % 100) as f32).to_bits())
+            .collect();
+        let sc = DeviceBuf::from_slice(0, &scales).unwrap();
+        for m in [1usize, 16, 128] {
+            let xs: Vec<u16> = (0..m * k)
+                .map(|i| half::f16::from_f32(((i % 17) as f32 - 8.0) / 8.0).to_bits())
+                .collect();
+            let x = DeviceBuf::from_slice(0, &xs).unwrap();
+            let y = DeviceBuf::zeroed(0, m * n * 2).unwrap();
+            unsafe {
+                ops::w4a16_gemm_awq(
+                    x.ptr(),
+                    DType::F16,
+                    m,
+                    k,
+                    n,
+                    g,
+                    qw.ptr(),
+                    qz.ptr(),
+                    sc.ptr(),
+                    y.ptr(),
+                    0,
+                    0,
+                    S,
+                )
+            }
+            .unwrap();
+            forge_cuda::synchronize(0).unwrap();
+        }
+        return;
+    }
+    // Device-to-device copy: the bandwidth yardstick.
+    let bytes = 1usize << 30;
+    let a = DeviceBuf::zeroed(0, bytes).unwrap();
+    let b = DeviceBuf::zeroed(0, bytes).unwrap();
+    let ms = time_ms(0, 0, 3, 10, || unsafe {
+        copy_d2d(0, b.ptr(), a.ptr(), bytes, 0)
+    })
+    .unwrap();
+    let copy_bw = 2.0 * bytes as f64 / (ms as f64 * 1e-3) / 1e12;
+    println!(
+        "BENCH d2d copy 1 GiB: {:.1} us, {:.2} TB/s (read+write)",
+        ms * 1e3,
+        copy_bw
+    );
+    drop((a, b));
+
+    // W4A16 GEMM.
+    for (k, n) in [(7168usize, 18432usize), (7168, 2048), (2048, 7168)] {
+        let g = 128;
+        let qw = DeviceBuf::from_slice(0, &rand_bytes(k * n / 2, 1)).unwrap();
+        let mut r = Lcg(2);
+        let zeros: Vec<u32> = (0..k / g * n / 8)
+            .map(|_| 0x8888_8888u32 ^ (r.next_u32() & 0x1111_1111))
+            .collect();
+        let qz = DeviceBuf::from_slice(0, &zeros).unwrap();
+        let scales: Vec<u16> = (0..k / g * n)
+            .map(|_| half::f16::from_f32(0.01 + 0.001 * r.f()).to_bits())
+            .collect();
+        let sc = DeviceBuf::from_slice(0, &scales).unwrap();
+        let wbytes = (k * n / 2 + k / g * n / 8 * 4 + k / g * n * 2) as f64;
+        for act in [DType::F16, DType::Bf16] {
+            for m in [1usize, 16, 128] {
+                let xs: Vec<u16> = (0..m * k)
+                    .map(|_| half::f16::from_f32(r.f()).to_bits())
+                    .collect();
+                let x = DeviceBuf::from_slice(0, &xs).unwrap();
+                let y = DeviceBuf::zeroed(0, m * n * 2).unwrap();
+                let wsb = ops::w4a16_workspace_bytes(0, m, n, k, g).unwrap();
+                let ws = DeviceBuf::zeroed(0, wsb.max(16)).unwrap();
+                let ms = time_ms(0, 0, 20, 50, || unsafe {
+                    ops::w4a16_gemm_awq(
+                        x.ptr(),
+                        act,
+                        m,
+                        k,
+                        n,
+                        g,
+                        qw.ptr(),
+                        qz.ptr(),
+                        sc.ptr(),
+                        y.ptr(),
+                        ws.ptr(),
+                        wsb,
+                        S,
+                    )
+                })
+                .unwrap();
+                let tb = wbytes / (ms as f64 * 1e-3) / 1e12;
+                let tf = 2.0 * (m * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
+                println!(
+                    "BENCH w4a16 {act:?} M={m:<4} K={k} N={n} G={g}: {:8.1} us  weights {:.2} TB/s  {:.1} TFLOP/s",
+                    ms * 1e3,
+                    tb,
+                    tf
+                );
+            }
+        }
+    }
+
+    if mode == "gemm" {
+        return;
+    }
+    // Fused AWQ quantize+pack of a bf16 weight 18432 x 7168.
+    let (n, k) = (18432usize, 7168usize);
+    let spec = GridSpec {
+        bits: 4,
+        group_size: 128,
+        symmetric: false,
+    };
+    let w = DeviceBuf::from_slice(
+        0,
+        &rand_bytes(n * k * 2, 3)
+            .chunks(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1] & 0x3F]))
+            .collect::<Vec<u16>>(),
+    )
+    .unwrap();
+    let qm = DeviceBuf::zeroed(0, n * k / 128 * 4).unwrap();
+    unsafe { ops::qmeta_range(w.ptr(), DType::Bf16, n, k, &spec, qm.ptr(), S) }.unwrap();
+    let ms_range = time_ms(0, 0, 2, 10, || unsafe {
+        ops::qmeta_range(w.ptr(), DType::Bf16, n, k, &spec, qm.ptr(), S)
+    })
+    .unwrap();
+    let rb = (n * k * 2 + n * k / 128 * 4) as f64;
+    println!(
+        "BENCH qmeta_range bf16 {n}x{k}: {:.1} us, {:.2} TB/s",
+        ms_range * 1e3,
+        rb / (ms_range as f64 * 1e-3) / 1e12
+    );
+    let mse = forge_core::grid::MseSpec::default();
+    let ms_mse = time_ms(0, 0, 1, 3, || unsafe {
+        ops::qmeta_mse(w.ptr(), DType::Bf16, n, k, &spec, &mse, qm.ptr(), S)
+    })
+    .unwrap();
+    println!(
+        "BENCH qmeta_mse bf16 {n}x{k} (100 candidates, norm 2.4): {:.1} us",
+        ms_mse * 1e3
+    );
+    let qw = DeviceBuf::zeroed(0, k * n / 2).unwrap();
+    let qz = DeviceBuf::zeroed(0, k / 128 * n / 2).unwrap();
+    let sc = DeviceBuf::zeroed(0, k / 128 * n * 2).unwrap();
+    let ms = time_ms(0, 0, 3, 20, || unsafe {
+        ops::awq_quantize_pack(
+            w.ptr(),
+            DType::Bf16,
+            n,
+            k,
+            qm.ptr(),
+            &spec,
+            qw.ptr(),
+            qz.ptr(),
+            sc.ptr(),
+            S,
+        )
+    })
+    .unwrap();
+    let moved =
+        (n * k * 2 + n * k / 128 * 4 + k * n / 2 + k / 128 * n / 2 + k / 128 * n * 2) as f64;
+    let bw = moved / (ms as f64 * 1e-3) / 1e12;
+    println!(
+        "BENCH awq_quantize_pack bf16 {n}x{k}: {:.1} us, {:.2} TB/s = {:.0}% of d2d copy",
+        ms * 1e3,
+        bw,
+        100.0 * bw / copy_bw
+    );
+
+    // Hessian 7168 x 7168 from 4096 bf16 tokens.
+    let (t, d) = (4096usize, 7168usize);
+    let x = DeviceBuf::from_slice(
+        0,
+        &rand_bytes(t * d * 2, 4)
+            .chunks(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1] & 0x3F]))
+            .collect::<Vec<u16>>(),
+    )
+    .unwrap();
+    let h = DeviceBuf::zeroed(0, d * d * 4).unwrap();
+    let ms = time_ms(0, 0, 1, 3, || unsafe {
+        ops::hessian_accumulate(x.ptr(), DType::Bf16, t, d, h.ptr(), 1.0, S)
+    })
+    .unwrap();
+    println!(
+        "BENCH hessian bf16 T={t} D={d}: {:.2} ms, {:.1} TFLOP/s (symmetric half counted once)",
+        ms,
+        (t * d * d) as f64 / (ms as f64 * 1e-3) / 1e12
+    );
+    drop((x, h));
+
+    // GPTQ: 4 experts of 2048 x 7168 (R = N = 2048, C = K = 7168).
+    let (e, c, rr) = (4usize, 7168usize, 2048usize);
+    let mut r = Lcg(9);
+    let wv: Vec<f32> = (0..e * c * rr).map(|_| r.f() * 0.02).collect();
+    let mut u = vec![0f32; c * c];
+    for i in 0..c {
+        u[i * c + i] = 1.0;
+        for j in i + 1..(i + 8).min(c) {
+            u[i * c + j] = 0.01 * r.f();
+        }
+    }
+    let us: Vec<f32> = (0..e).flat_map(|_| u.iter().copied()).collect();
+    let spec = GridSpec {
+        bits: 4,
+        group_size: 128,
+        symmetric: true,
+    };
+    let qmv: Vec<u32> = vec![0x0108_F95B; e * rr * c / 128];
+    let dw = DeviceBuf::from_slice(0, &wv).unwrap();
+    let du = DeviceBuf::from_slice(0, &us).unwrap();
+    let dq = DeviceBuf::from_slice(0, &qmv).unwrap();
+    let dc = DeviceBuf::zeroed(0, e * c * rr).unwrap();
+    let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, rr)).unwrap();
+    let ms = time_ms(0, 0, 0, 1, || unsafe {
+        ops::gptq_solve(
+            dw.ptr(),
+            du.ptr(),
+            dq.ptr(),
+            0,
+            dc.ptr(),
+            de.ptr(),
+            e,
+            c,
+            rr,
+            &spec,
+            128,
+            S,
+        )
+    })
+    .unwrap();
+    println!(
+        "BENCH gptq_solve {e} experts of C={c} R={rr}: {:.1} ms ({:.2} ms per matrix)",
+        ms,
+        ms / e as f32
+    );
+}

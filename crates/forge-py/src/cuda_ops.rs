@@ -1,0 +1,287 @@
+//! The CUDA side of the functional API: a CUDA tensor goes to the kernels of `forge-cuda`
+//! on PyTorch's current stream, with outputs from PyTorch's allocator. Same arguments,
+//! same results as the CPU path (bit-exact for integer outputs).
+
+use crate::errors::raise;
+use crate::tensor::{empty_on, DType, Tensor};
+use forge_core::grid::{GridMode, GridSpec};
+use forge_cuda::{ops as cu, CudaError};
+use pyo3::prelude::*;
+
+/// Maps a CUDA error to its Python exception.
+pub fn cuda_err(py: Python<'_>, e: CudaError) -> PyErr {
+    let class = match &e {
+        CudaError::NoDriver(_) | CudaError::NoNvrtc(_) | CudaError::NoDevice { .. } => {
+            "CudaUnavailableError"
+        }
+        CudaError::InvalidArgument { .. } => "InvalidValueError",
+        _ => "KernelError",
+    };
+    raise(py, class, e.to_string())
+}
+
+/// PyTorch's current stream on the tensor's device.
+pub fn stream_of(t: &Tensor<'_>) -> PyResult<cu::Stream> {
+    let py = t.obj.py();
+    let handle: u64 = py
+        .import("torch")?
+        .getattr("cuda")?
+        .call_method1("current_stream", (t.obj.getattr("device")?,))?
+        .getattr("cuda_stream")?
+        .extract()?;
+    Ok(cu::Stream {
+        device: t.index,
+        handle,
+    })
+}
+
+fn cu_dtype(t: &Tensor<'_>) -> cu::DType {
+    match t.dtype {
+        DType::F32 => cu::DType::F32,
+        DType::F16 => cu::DType::F16,
+        DType::BF16 => cu::DType::Bf16,
+        _ => cu::DType::F8E4M3,
+    }
+}
+
+/// Range (and MSE) grid of a CUDA weight `(rows, cols)`.
+pub fn build_quant_grid<'py>(
+    w: &Tensor<'py>,
+    spec: &GridSpec,
+    mode: GridMode,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = w.obj.py();
+    w.require_finite_cuda()?;
+    let (rows, cols) = (w.shape[0], w.shape[1]);
+    let (out, ptr) = empty_on(py, &[rows, spec.groups(cols), 4], DType::U8, w)?;
+    let s = stream_of(w)?;
+    // SAFETY: pointers from live CUDA tensors of the checked shapes and dtypes.
+    unsafe {
+        cu::qmeta_range(w.ptr as u64, cu_dtype(w), rows, cols, spec, ptr, s)
+            .map_err(|e| cuda_err(py, e))?;
+        if let GridMode::Mse(m) = mode {
+            cu::qmeta_mse(w.ptr as u64, cu_dtype(w), rows, cols, spec, &m, ptr, s)
+                .map_err(|e| cuda_err(py, e))?;
+        }
+    }
+    Ok(out)
+}
+
+type Three<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>);
+
+fn awq_outputs<'py>(
+    like: &Tensor<'py>,
+    k: usize,
+    n: usize,
+    g: usize,
+) -> PyResult<(Three<'py>, [u64; 3])> {
+    let py = like.obj.py();
+    let (qw, a) = empty_on(py, &[k, n / 8], DType::I32, like)?;
+    let (qz, b) = empty_on(py, &[k / g, n / 8], DType::I32, like)?;
+    let (sc, c) = empty_on(py, &[k / g, n], DType::F16, like)?;
+    Ok(((qw, qz, sc), [a, b, c]))
+}
+
+/// Fused quantize + AWQ pack of a CUDA weight `(N, K)`.
+pub fn quantize_pack_awq<'py>(
+    w: &Tensor<'py>,
+    qmeta: &Tensor<'py>,
+    spec: &GridSpec,
+) -> PyResult<Three<'py>> {
+    let py = w.obj.py();
+    qmeta.require_same_device(w)?;
+    w.require_finite_cuda()?;
+    let (n, k) = (w.shape[0], w.shape[1]);
+    let (out, [a, b, c]) = awq_outputs(w, k, n, spec.group_size)?;
+    let s = stream_of(w)?;
+    // SAFETY: live CUDA tensors of checked shapes.
+    unsafe {
+        cu::awq_quantize_pack(
+            w.ptr as u64,
+            cu_dtype(w),
+            n,
+            k,
+            qmeta.ptr as u64,
+            spec,
+            a,
+            b,
+            c,
+            s,
+        )
+    }
+    .map_err(|e| cuda_err(py, e))?;
+    Ok(out)
+}
+
+/// AWQ pack of CUDA codes `(K, N)`.
+pub fn pack_awq<'py>(
+    codes: &Tensor<'py>,
+    qmeta: &Tensor<'py>,
+    spec: &GridSpec,
+) -> PyResult<Three<'py>> {
+    let py = codes.obj.py();
+    qmeta.require_same_device(codes)?;
+    let (k, n) = (codes.shape[0], codes.shape[1]);
+    let maxq: u8 = codes
+        .obj
+        .call_method0("max")?
+        .call_method0("item")?
+        .extract()?;
+    if maxq > 15 {
+        return Err(raise(
+            py,
+            "InvalidValueError",
+            format!("codes: must be <= 15, found {maxq}"),
+        ));
+    }
+    let (out, [a, b, c]) = awq_outputs(codes, k, n, spec.group_size)?;
+    let s = stream_of(codes)?;
+    // SAFETY: live CUDA tensors of checked shapes.
+    unsafe { cu::awq_pack_codes(codes.ptr as u64, qmeta.ptr as u64, k, n, spec, a, b, c, s) }
+        .map_err(|e| cuda_err(py, e))?;
+    Ok(out)
+}
+
+/// W4A16 GEMM on CUDA: `x (M, K)` f16/bf16 → `y (M, N)` of the same dtype.
+pub fn awq_matmul<'py>(
+    x: &Tensor<'py>,
+    qweight: &Tensor<'py>,
+    qzeros: &Tensor<'py>,
+    scales: &Tensor<'py>,
+    k: usize,
+    n: usize,
+    g: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = x.obj.py();
+    for t in [qweight, qzeros, scales] {
+        t.require_same_device(x)?;
+    }
+    x.require_dtype(&[DType::F16, DType::BF16])?;
+    let m = x.shape[0];
+    let (y, yp) = empty_on(py, &[m, n], x.dtype, x)?;
+    let s = stream_of(x)?;
+    // SAFETY: live CUDA tensors of checked shapes; workspace allocated stream-ordered.
+    unsafe {
+        cu::w4a16_gemm_awq(
+            x.ptr as u64,
+            cu_dtype(x),
+            m,
+            k,
+            n,
+            g,
+            qweight.ptr as u64,
+            qzeros.ptr as u64,
+            scales.ptr as u64,
+            yp,
+            0,
+            0,
+            s,
+        )
+    }
+    .map_err(|e| cuda_err(py, e))?;
+    Ok(y)
+}
+
+/// Batched GPTQ solve on CUDA: `w (E, C, R)` f32 (updated in place), `u (E, C, C)`,
+/// `qmeta (E, R, G, 4)`, `perm (E, C)` int32 or None; returns codes `(E, C, R)` uint8.
+#[allow(clippy::too_many_arguments)]
+pub fn gptq_solve<'py>(
+    w: &Tensor<'py>,
+    u: &Tensor<'py>,
+    qmeta: &Tensor<'py>,
+    perm: Option<&Tensor<'py>>,
+    experts: usize,
+    c: usize,
+    r: usize,
+    spec: &GridSpec,
+    block_size: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = w.obj.py();
+    u.require_same_device(w)?;
+    qmeta.require_same_device(w)?;
+    let (codes, cp) = empty_on(py, &[experts, c, r], DType::U8, w)?;
+    let (_ws, wsp) = empty_on(
+        py,
+        &[cu::gptq_workspace_bytes(experts, r) / 4],
+        DType::F32,
+        w,
+    )?;
+    let pp = perm.map_or(0, |p| p.ptr as u64);
+    let s = stream_of(w)?;
+    // SAFETY: live CUDA tensors of checked shapes.
+    unsafe {
+        cu::gptq_solve(
+            w.ptr as u64,
+            u.ptr as u64,
+            qmeta.ptr as u64,
+            pp,
+            cp,
+            wsp,
+            experts,
+            c,
+            r,
+            spec,
+            block_size,
+            s,
+        )
+    }
+    .map_err(|e| cuda_err(py, e))?;
+    Ok(codes)
+}
+
+/// `h (D, D) += alpha · xᵀx` on CUDA.
+pub fn hessian_update(h: &Tensor<'_>, x: &Tensor<'_>, alpha: f32) -> PyResult<()> {
+    let py = h.obj.py();
+    x.require_same_device(h)?;
+    let (t, d) = (x.shape[0], x.shape[1]);
+    let s = stream_of(h)?;
+    // SAFETY: live CUDA tensors of checked shapes.
+    unsafe { cu::hessian_accumulate(x.ptr as u64, cu_dtype(x), t, d, h.ptr as u64, alpha, s) }
+        .map_err(|e| cuda_err(py, e))
+}
+
+/// Segmented per-expert Hessians on CUDA.
+pub fn hessian_update_segmented(
+    h: &Tensor<'_>,
+    x: &Tensor<'_>,
+    idx: &Tensor<'_>,
+    offsets: &Tensor<'_>,
+    experts: usize,
+    alpha: f32,
+) -> PyResult<()> {
+    let py = h.obj.py();
+    for t in [x, idx, offsets] {
+        t.require_same_device(h)?;
+    }
+    let d = x.shape[1];
+    let s = stream_of(h)?;
+    // SAFETY: live CUDA tensors of checked shapes; indices validated by the caller.
+    unsafe {
+        cu::hessian_accumulate_segmented(
+            x.ptr as u64,
+            cu_dtype(x),
+            d,
+            idx.ptr as u64,
+            offsets.ptr as u64,
+            experts,
+            h.ptr as u64,
+            alpha,
+            s,
+        )
+    }
+    .map_err(|e| cuda_err(py, e))
+}
+
+/// `forge.cuda_status()`: whether the CUDA path is usable, and why not.
+#[pyfunction]
+pub fn cuda_status(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let st = py.detach(forge_cuda::status);
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("available", st.available)?;
+    d.set_item("reason", st.reason)?;
+    d.set_item("device_name", st.device_name)?;
+    d.set_item("compute_capability", st.compute_capability)?;
+    d.set_item("nvrtc_version", st.nvrtc_version)?;
+    d.set_item("device_count", st.device_count)?;
+    Ok(d.into_any())
+}

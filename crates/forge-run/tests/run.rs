@@ -1,0 +1,267 @@
+//! Integration tests of the orchestrator on synthetic checkpoints written with forge-io:
+//! output verifies, dequantizes back within half a step, is independent of the thread count,
+//! resumes byte-identically after an interruption, and refuses bad setups with clear errors.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use forge_core::grid::GridMode;
+use forge_io::{Checkpoint, Dtype, ShardPlan, ShardWriter, TensorSpec};
+use forge_run::arch::Pattern;
+use forge_run::run::{Progress, RunOptions};
+use forge_run::{Error, NoProgress, QuantOptions};
+use half::bf16;
+use serde_json::json;
+
+/// A deterministic pseudo-random value in [-0.1, 0.1).
+fn val(seed: u64, i: usize) -> f32 {
+    let mut x =
+        seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 29;
+    ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+}
+
+fn bf16_bytes(n: usize, seed: u64) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| bf16::from_f32(val(seed, i)).to_le_bytes())
+        .collect()
+}
+
+/// A Llama-like checkpoint: `layers` decoder layers, hidden 64, intermediate 128, 2 shards.
+fn llama(dir: &Path, layers: usize) -> PathBuf {
+    let (h, i, v) = (64usize, 128usize, 96usize);
+    let mut tensors: Vec<(String, Vec<usize>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![v, h]),
+        ("model.norm.weight".into(), vec![h]),
+        ("lm_head.weight".into(), vec![v, h]),
+    ];
+    for l in 0..layers {
+        let p = format!("model.layers.{l}.");
+        for (n, s) in [
+            ("self_attn.q_proj.weight", vec![h, h]),
+            ("self_attn.k_proj.weight", vec![32, h]),
+            ("self_attn.v_proj.weight", vec![32, h]),
+            ("self_attn.o_proj.weight", vec![h, h]),
+            ("mlp.gate_proj.weight", vec![i, h]),
+            ("mlp.up_proj.weight", vec![i, h]),
+            ("mlp.down_proj.weight", vec![h, i]),
+            ("input_layernorm.weight", vec![h]),
+            ("post_attention_layernorm.weight", vec![h]),
+        ] {
+            tensors.push((format!("{p}{n}"), s));
+        }
+    }
+    let specs: Vec<TensorSpec> = tensors
+        .iter()
+        .map(|(n, s)| TensorSpec::new(n.clone(), Dtype::BF16, s.clone()))
+        .collect();
+    let plan = ShardPlan::new(specs, 60_000).unwrap();
+    let w = ShardWriter::create(dir, plan, &BTreeMap::new()).unwrap();
+    for (k, (n, s)) in tensors.iter().enumerate() {
+        w.write_tensor(n, &bf16_bytes(s.iter().product(), k as u64))
+            .unwrap();
+    }
+    w.finish().unwrap();
+    let cfg = json!({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers, "hidden_size": h});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+    dir.into()
+}
+
+fn opts(g: usize) -> RunOptions {
+    RunOptions {
+        quant: QuantOptions {
+            group_size: g,
+            max_shard_bytes: 50_000,
+            ..QuantOptions::default()
+        },
+        ..RunOptions::default()
+    }
+}
+
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let p = e.unwrap().path();
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn quantizes_verifies_and_dequantizes_within_half_a_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = llama(&tmp.path().join("src"), 2);
+    let out = tmp.path().join("out");
+    let rep = forge_run::quantize(&src, &out, &opts(32), &NoProgress).unwrap();
+    assert_eq!(rep.quantized, 14);
+    assert!(rep.shards >= 2);
+    assert!(rep.not_convert.is_empty());
+    let v = forge_run::verify::verify(&out).unwrap();
+    assert_eq!(v.quantized, 14);
+    let a = Checkpoint::open(&src).unwrap();
+    let b = Checkpoint::open(&out).unwrap();
+    for l in 0..2 {
+        let m = format!("model.layers.{l}.mlp.down_proj");
+        let w = a.dequantized_f32(&format!("{m}.weight")).unwrap();
+        let qw: Vec<i32> = b
+            .tensor(&format!("{m}.qweight"))
+            .unwrap()
+            .bytes
+            .chunks(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let qz: Vec<i32> = b
+            .tensor(&format!("{m}.qzeros"))
+            .unwrap()
+            .bytes
+            .chunks(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let sc: Vec<half::f16> = b
+            .tensor(&format!("{m}.scales"))
+            .unwrap()
+            .bytes
+            .chunks(2)
+            .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let (k, n) = (128, 64);
+        let d = forge_core::matmul::dequantize_awq(&qw, &qz, &sc, k, n, 32).unwrap();
+        for r in 0..n {
+            for c in 0..k {
+                let s = sc[(c / 32) * n + r].to_f32();
+                let e = (d[r * k + c] - w[r * k + c]).abs();
+                assert!(e <= 0.53 * s, "{m}[{r},{c}]: error {e} vs step {s}");
+            }
+        }
+    }
+    // Untouched tensors are byte-identical; side files are copied; no leftovers.
+    assert_eq!(
+        a.tensor("lm_head.weight").unwrap().bytes,
+        b.tensor("lm_head.weight").unwrap().bytes
+    );
+    assert!(out.join("tokenizer.json").is_file());
+    assert!(!out.join(forge_run::run::MANIFEST_FILE).exists());
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["quantization_config"]["quant_method"], "awq");
+    assert_eq!(cfg["quantization_config"]["group_size"], 32);
+}
+
+#[test]
+fn output_does_not_depend_on_threads_or_grid_mode_is_applied() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = llama(&tmp.path().join("src"), 2);
+    let mut o1 = opts(32);
+    o1.threads = Some(1);
+    let mut o2 = opts(32);
+    o2.threads = Some(2);
+    forge_run::quantize(&src, &tmp.path().join("a"), &o1, &NoProgress).unwrap();
+    forge_run::quantize(&src, &tmp.path().join("b"), &o2, &NoProgress).unwrap();
+    assert_eq!(files(&tmp.path().join("a")), files(&tmp.path().join("b")));
+    let mut o3 = opts(32);
+    o3.quant.grid = GridMode::Mse(forge_core::MseSpec::default());
+    let rep = forge_run::quantize(&src, &tmp.path().join("c"), &o3, &NoProgress).unwrap();
+    assert_eq!(rep.quantizer, "rtn-mse");
+    assert_ne!(files(&tmp.path().join("a")), files(&tmp.path().join("c")));
+}
+
+/// Stops the run after `n` units, as a kill would.
+struct StopAfter(usize, AtomicUsize);
+impl Progress for StopAfter {
+    fn unit_done(&self, _label: &str, _bytes: u64) -> bool {
+        self.1.fetch_add(1, Ordering::SeqCst) + 1 < self.0
+    }
+}
+
+#[test]
+fn resume_after_interruption_is_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = llama(&tmp.path().join("src"), 4);
+    let clean = tmp.path().join("clean");
+    forge_run::quantize(&src, &clean, &opts(32), &NoProgress).unwrap();
+    let out = tmp.path().join("out");
+    let e =
+        forge_run::quantize(&src, &out, &opts(32), &StopAfter(2, AtomicUsize::new(0))).unwrap_err();
+    assert!(matches!(e, Error::Interrupted), "{e}");
+    assert!(!out.join("config.json").exists() && !out.join(forge_io::INDEX_FILE).exists());
+    assert!(forge_run::verify::verify(&out).is_err());
+    // Without --resume the directory is refused.
+    let e = forge_run::quantize(&src, &out, &opts(32), &NoProgress).unwrap_err();
+    assert!(e.to_string().contains("--resume"), "{e}");
+    let mut r = opts(32);
+    r.resume = true;
+    let e = forge_run::quantize(&src, &out, &r, &StopAfter(1, AtomicUsize::new(0))).unwrap_err();
+    assert!(matches!(e, Error::Interrupted));
+    let rep = forge_run::quantize(&src, &out, &r, &NoProgress).unwrap();
+    assert_eq!(rep.resumed_units, 3);
+    assert_eq!(files(&out), files(&clean));
+}
+
+#[test]
+fn errors_name_the_module_and_the_way_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = llama(&tmp.path().join("src"), 1);
+    let e = forge_run::quantize(&src, &tmp.path().join("o"), &opts(128), &NoProgress).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, Error::Unpackable { .. }), "{msg}");
+    assert!(
+        msg.contains("model.layers.0.") && msg.contains("--exclude"),
+        "{msg}"
+    );
+    assert!(
+        !tmp.path().join("o").exists(),
+        "nothing is written before the plan is valid"
+    );
+    let e = forge_run::quantize(&src, &src, &opts(32), &NoProgress).unwrap_err();
+    assert!(e.to_string().contains("model directory"), "{e}");
+    let e = forge_run::quantize(
+        &tmp.path().join("missing"),
+        &tmp.path().join("o"),
+        &opts(32),
+        &NoProgress,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("missing"), "{e}");
+}
+
+#[test]
+fn fused_groups_follow_exclusions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = llama(&tmp.path().join("src"), 1);
+    let mut o = opts(32);
+    o.quant.exclude = vec![Pattern::new("up_proj").unwrap()];
+    let rep = forge_run::quantize(&src, &tmp.path().join("o"), &o, &NoProgress).unwrap();
+    assert_eq!(rep.quantized, 5); // q, k, v, o, down
+    for m in ["mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj"] {
+        assert!(
+            rep.not_convert.contains(&format!("model.layers.0.{m}")),
+            "{m}: {:?}",
+            rep.not_convert
+        );
+    }
+    assert!(rep.notes.iter().any(|n| n.contains("gate_up_proj")));
+    forge_run::verify::verify(&tmp.path().join("o")).unwrap();
+}
+
+#[test]
+fn cli_parses_sizes_and_reports_usage_errors() {
+    assert_eq!(forge_run::cli::parse_size("5GB").unwrap(), 5_000_000_000);
+    assert_eq!(forge_run::cli::parse_size("2GiB").unwrap(), 2 << 30);
+    assert_eq!(forge_run::cli::parse_size("1234").unwrap(), 1234);
+    assert!(forge_run::cli::parse_size("5 parsecs").is_err());
+    assert!(forge_run::cli::parse_size("0").is_err());
+    assert_eq!(forge_run::cli::main(["forge-rs", "quantize"]), 2);
+    assert_eq!(
+        forge_run::cli::main(["forge-rs", "verify", "/definitely/not/here"]),
+        1
+    );
+}

@@ -1,0 +1,201 @@
+// common.cuh — shared helpers of the 4bit-forge kernels.
+//
+// Compiled at run time by NVRTC (crates/forge-cuda), with `--fmad=false`, no fast math,
+// and WITHOUT any CUDA header: halves and bf16 are handled as raw 16-bit patterns and
+// converted with PTX `cvt`. The runtime prepends a generated header that defines the
+// tables FORGE_THRESH_BITS / FORGE_POW2_BITS / FORGE_E4M3_BITS (copied bit for bit from
+// forge-core), so CPU and GPU use identical constants. The arithmetic mirrors
+// docs/numerics.md and forge-core exactly; keep the two in sync.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define FORGE_DT_F32 0
+#define FORGE_DT_F16 1
+#define FORGE_DT_BF16 2
+#define FORGE_DT_F8E4M3 3
+
+#define FORGE_EPS 1e-9f
+
+__device__ __forceinline__ float f_inf() { return __int_as_float(0x7f800000); }
+
+// ---- element conversions (exact) -------------------------------------------------------
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f32_to_f16_rn(float f) {
+    u16 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
+    u16 h;
+    asm("{ .reg .b16 t; cvt.rn.bf16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float e4m3_to_f32(u8 b) { return __uint_as_float(FORGE_E4M3_BITS[b]); }
+
+template <int DT> struct Elem;
+template <> struct Elem<FORGE_DT_F32> {
+    typedef float T;
+    static __device__ __forceinline__ float load(const void* p, i64 i) { return ((const float*)p)[i]; }
+};
+template <> struct Elem<FORGE_DT_F16> {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const void* p, i64 i) { return f16_to_f32(((const u16*)p)[i]); }
+};
+template <> struct Elem<FORGE_DT_BF16> {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const void* p, i64 i) { return bf16_to_f32(((const u16*)p)[i]); }
+};
+template <> struct Elem<FORGE_DT_F8E4M3> {
+    typedef u8 T;
+    static __device__ __forceinline__ float load(const void* p, i64 i) { return e4m3_to_f32(((const u8*)p)[i]); }
+};
+
+// 8 consecutive elements starting at element index i (i multiple of 8, 16-byte aligned
+// for 16-bit types, 32-byte for f32, 8-byte for fp8).
+template <int DT> __device__ __forceinline__ void load8(const void* p, i64 i, float v[8]);
+template <> __device__ __forceinline__ void load8<FORGE_DT_F32>(const void* p, i64 i, float v[8]) {
+    const float4* q = (const float4*)((const float*)p + i);
+    float4 a = q[0], b = q[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <> __device__ __forceinline__ void load8<FORGE_DT_F16>(const void* p, i64 i, float v[8]) {
+    uint4 a = *(const uint4*)((const u16*)p + i);
+    u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) { v[2 * j] = f16_to_f32((u16)(w[j] & 0xFFFF)); v[2 * j + 1] = f16_to_f32((u16)(w[j] >> 16)); }
+}
+template <> __device__ __forceinline__ void load8<FORGE_DT_BF16>(const void* p, i64 i, float v[8]) {
+    uint4 a = *(const uint4*)((const u16*)p + i);
+    u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) { v[2 * j] = __uint_as_float(w[j] << 16); v[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u); }
+}
+template <> __device__ __forceinline__ void load8<FORGE_DT_F8E4M3>(const void* p, i64 i, float v[8]) {
+    uint2 a = *(const uint2*)((const u8*)p + i);
+#pragma unroll
+    for (int j = 0; j < 4; j++) { v[j] = e4m3_to_f32((a.x >> (8 * j)) & 0xFF); v[4 + j] = e4m3_to_f32((a.y >> (8 * j)) & 0xFF); }
+}
+
+// ---- qmeta4 ----------------------------------------------------------------------------
+__device__ __forceinline__ float pow2i(int e) { return __uint_as_float(((u32)(e + 127)) << 23); }
+
+// Mirrors forge_core::qmeta::encode_log2_q88.
+__device__ __forceinline__ int encode_log2_q88(float s) {
+    if (s != s || s == f_inf()) return 32767;
+    if (s <= 0.0f) return -32768;
+    u32 bits = __float_as_uint(s);
+    int eadj = 0;
+    if (((bits >> 23) & 0xFF) == 0) {
+        bits = __float_as_uint(s * 8388608.0f);
+        eadj = -23;
+    }
+    int e = (int)((bits >> 23) & 0xFF) - 127 + eadj;
+    float m = __uint_as_float((bits & 0x007FFFFFu) | 0x3F800000u);
+    int lo = 0, hi = 256;  // partition point of THRESH <= m
+    while (lo < hi) {
+        int mid = (lo + hi) >> 1;
+        if (__uint_as_float(FORGE_THRESH_BITS[mid]) <= m) lo = mid + 1; else hi = mid;
+    }
+    int q = 256 * e + lo;
+    return q < -32768 ? -32768 : (q > 32767 ? 32767 : q);
+}
+
+// Mirrors forge_core::qmeta::decode_scale.
+__device__ __forceinline__ float decode_scale(int q) {
+    float m = __uint_as_float(FORGE_POW2_BITS[q & 255]);
+    int e = q >> 8;
+    if (e < -126) return (m * pow2i(e + 64)) * pow2i(-64);
+    return m * pow2i(e);
+}
+
+__device__ __forceinline__ u32 make_qmeta(int q88, u32 zero, u32 flags) {
+    return ((u32)q88 & 0xFFFFu) | ((zero & 0xFFu) << 16) | ((flags & 0xFFu) << 24);
+}
+
+struct GroupParams { float scale, inv, zero, maxq; };
+
+__device__ __forceinline__ GroupParams qmeta_params(u32 m, int bits) {
+    GroupParams p;
+    p.scale = decode_scale((int)(short)(m & 0xFFFFu));
+    p.inv = 1.0f / p.scale;
+    u32 flags = m >> 24;
+    p.zero = (flags & 1u) ? (float)(1u << (bits - 1)) : (float)((m >> 16) & 0xFFu);
+    p.maxq = (float)((1u << bits) - 1u);
+    return p;
+}
+
+// q = clamp(rne(x * inv + z), 0, maxq)  (separate multiply and add; --fmad=false)
+__device__ __forceinline__ float quant_code(float x, const GroupParams& p) {
+    float t = x * p.inv;
+    t = t + p.zero;
+    t = rintf(t);
+    return fminf(fmaxf(t, 0.0f), p.maxq);
+}
+__device__ __forceinline__ float dequant(float q, const GroupParams& p) { return (q - p.zero) * p.scale; }
+
+// ---- portable pow (mirrors forge_core::pmath) -------------------------------------------
+__device__ __forceinline__ float log2_poly(float a) {
+    if (a <= 0.0f) return -f_inf();
+    u32 bits = __float_as_uint(a);
+    int e = 0;
+    if (((bits >> 23) & 0xFF) == 0) {
+        bits = __float_as_uint(a * 8388608.0f);
+        e = -23;
+    }
+    e += (int)((bits >> 23) & 0xFF) - 127;
+    float m = __uint_as_float((bits & 0x007FFFFFu) | 0x3F800000u);
+    if (m > 1.4142135f) {
+        m *= 0.5f;
+        e += 1;
+    }
+    float t = (m - 1.0f) / (m + 1.0f);
+    float t2 = t * t;
+    float s = 0.11111111f;
+    s = s * t2 + 0.14285715f;
+    s = s * t2 + 0.2f;
+    s = s * t2 + 0.33333334f;
+    s = s * t2 + 1.0f;
+    return (float)e + (t * s) * 2.88539f;
+}
+
+__device__ __forceinline__ float exp2_poly(float y) {
+    const float yc = fminf(fmaxf(y, -150.0f), 127.0f);
+    const float n = rintf(yc);
+    const float x = (yc - n) * 0.6931472f;
+    float p = 2.4801587e-5f;
+    p = p * x + 1.984127e-4f;
+    p = p * x + 1.3888889e-3f;
+    p = p * x + 8.333334e-3f;
+    p = p * x + 4.1666668e-2f;
+    p = p * x + 0.16666667f;
+    p = p * x + 0.5f;
+    p = p * x + 1.0f;
+    p = p * x + 1.0f;
+    const int ni = (int)n;  // -150..=127
+    const bool low = ni < -126;
+    const float s1 = pow2i(low ? ni + 64 : ni);
+    const float s2 = low ? pow2i(-64) : 1.0f;
+    const float r = (p * s1) * s2;
+    if (y >= 128.0f) return f_inf();
+    if (y < -150.0f) return 0.0f;
+    return r;
+}
+
+__device__ __forceinline__ float pow_p(float a, float p) { return a == 0.0f ? 0.0f : exp2_poly(p * log2_poly(a)); }
+
+// ---- misc ------------------------------------------------------------------------------
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}

@@ -1,0 +1,598 @@
+// gemm.cu — W4A16 GEMM reading the vLLM AWQ layout directly (no repack):
+//   y[M, N] = x[M, K] · dequant(W)ᵀ,  W[n, k] = (q − z) · scale16,  fp32 accumulate.
+// x, y: fp16 or bf16 row-major. qweight i32 [K, N/8], qzeros i32 [K/G, N/8], scales f16 [K/G, N].
+//
+// Tensor cores (mma.sync m16n8k16, fp32 accumulate) for every M. The B operand (weights) is
+// built straight from the packed words: a thread (groupID g, thread-in-group t) of a warp
+// owns word column c = c0 + g and reads the words at k = 2t, 2t+1, 2t+8, 2t+9 of each
+// 16-deep k step; nibble i of those words is its B fragment of "n-tile" i, whose column j
+// is output n = 8(c0 + j) + ORDER[i]. So each packed word is read by one thread exactly once
+// per M tile, and 8 mma's consume the 4 words. Nibbles become halves with the magic-number
+// trick (0x6400|q = 1024+q in fp16, 0x4300|q = 128+q in bf16), then (q−z)·s in half2 / bf16x2.
+// A (activations) comes from shared memory with ldmatrix. Tiles move global → shared with a
+// 4-stage cp.async pipeline. Split-K over blockIdx.z writes fp32 partials that a second
+// kernel sums in a fixed order (deterministic).
+//
+// Block: 4 warps, 32 word columns (256 outputs n) x 16·MT rows of M; BK = 32.
+
+#define GM_BK 32
+#define GM_BW 32
+#define GM_BSTRIDE 36
+#define GM_ASTRIDE 40
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(smem)));
+}
+
+template <bool BF>
+__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    if (BF) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// (a & b) | c in one LOP3 (the compiler splits it when both b and c are immediates).
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// (magic|q) pair -> (q - z) * s, two lanes at once.
+template <bool BF>
+__device__ __forceinline__ u32 dq2(u32 v, u32 zm, u32 s2) {
+    u32 d;
+    if (BF) {
+        // zm holds -(128 + z) in bf16; v = 128 + q: v*1 + zm is exact, then *s rounded once.
+        asm("{ .reg .b32 one, nz; mov.b32 one, 0x3F803F80; mov.b32 nz, 0x80008000;\n"
+            "  fma.rn.bf16x2 %0, %1, one, %2;\n"
+            "  fma.rn.bf16x2 %0, %0, %3, nz; }"
+            : "=r"(d)
+            : "r"(v), "r"(zm), "r"(s2));
+    } else {
+        asm("{ sub.rn.f16x2 %0, %1, %2;\n  mul.rn.f16x2 %0, %0, %3; }" : "=r"(d) : "r"(v), "r"(zm), "r"(s2));
+    }
+    return d;
+}
+
+template <int MT> struct GemmStages { static constexpr int value = MT == 1 ? 6 : (MT == 2 ? 5 : 4); };
+
+template <int MT, bool BF>
+__device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
+                                               const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
+                                               int M, int N, int K, int G, int k_chunk, int split_out) {
+    constexpr int BM = 16 * MT;
+    constexpr int ST = GemmStages<MT>::value;
+    __shared__ __align__(16) u32 Bs[ST][GM_BK * GM_BSTRIDE];
+    __shared__ __align__(16) u16 As[ST][BM * GM_ASTRIDE];
+    // Group metadata of each stage's tile: 32 zero words, then 256 f16 scales (128 words).
+    __shared__ __align__(16) u32 Ms[ST][GM_BW + 128];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const int NW = N >> 3;
+    const int wc_block = blockIdx.x * GM_BW;
+    const int m0 = blockIdx.y * BM;
+    const int kbeg = blockIdx.z * k_chunk;
+    const int kend = min(K, kbeg + k_chunk);
+    const int ntiles = (kend - kbeg) / GM_BK;
+
+    auto load_stage = [&](int stage, int t) {
+        const int k0 = kbeg + t * GM_BK;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int c = tid + 128 * i;
+            int row = c >> 3, ch = c & 7;
+            int gk = k0 + row, gwc = wc_block + 4 * ch;
+            bool ok = (gk < kend) && (gwc < NW);
+            const u32* src = ok ? qw + (i64)gk * NW + gwc : qw;
+            cp_async16(&Bs[stage][row * GM_BSTRIDE + 4 * ch], src, ok ? 16 : 0);
+        }
+        for (int c = tid; c < BM * 4; c += 128) {
+            int row = c >> 2, ch = c & 3;
+            int gm = m0 + row;
+            bool ok = gm < M;
+            const u16* src = ok ? x + (i64)gm * K + k0 + 8 * ch : x;
+            cp_async16(&As[stage][row * GM_ASTRIDE + 8 * ch], src, ok ? 16 : 0);
+        }
+        if (tid < 40) {
+            const int grp = k0 / G;
+            if (tid < 8) {
+                int gwc = wc_block + 4 * tid;
+                bool ok = gwc < NW;
+                cp_async16(&Ms[stage][4 * tid], ok ? qz + (i64)grp * NW + gwc : qz, ok ? 16 : 0);
+            } else {
+                int c = tid - 8;  // 8 scales = 1 word column per chunk
+                int gwc = wc_block + c;
+                bool ok = gwc < NW;
+                cp_async16(&Ms[stage][GM_BW + 4 * c], ok ? sc + (i64)grp * N + 8 * (i64)gwc : sc, ok ? 16 : 0);
+            }
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < ST - 1; s++) {
+        if (s < ntiles) load_stage(s, s);
+        cp_async_commit();
+    }
+
+    float acc[MT][8][4];
+#pragma unroll
+    for (int a = 0; a < MT; a++)
+#pragma unroll
+        for (int b = 0; b < 8; b++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[a][b][c] = 0.0f;
+
+    const int cl = 8 * warp + g;  // this thread's word column within the block (B operand)
+    int cur_grp = -1;
+    u32 zm[8], s2[8];
+
+    for (int t = 0; t < ntiles; t++) {
+        cp_async_wait<ST - 2>();
+        __syncthreads();
+        {
+            int nt = t + ST - 1;
+            if (nt < ntiles) load_stage(nt % ST, nt);
+            cp_async_commit();
+        }
+        const int st = t % ST;
+        const int grp = (kbeg + t * GM_BK) / G;
+        if (grp != cur_grp) {
+            cur_grp = grp;
+            const u32 zw = Ms[st][cl];
+            const uint4 sv = *(const uint4*)&Ms[st][GM_BW + 4 * cl];
+            const u32 h[8] = {sv.x & 0xFFFF, sv.x >> 16, sv.y & 0xFFFF, sv.y >> 16,
+                              sv.z & 0xFFFF, sv.z >> 16, sv.w & 0xFFFF, sv.w >> 16};
+            const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                u32 z = (zw >> (4 * i)) & 15u;
+                u32 hs = h[order[i]];
+                if (BF) {
+                    u32 nz = 0xC300u | z;
+                    zm[i] = nz | (nz << 16);
+                    u32 b = f32_to_bf16_rn(f16_to_f32((u16)hs));
+                    s2[i] = b | (b << 16);
+                } else {
+                    u32 mz = 0x6400u | z;
+                    zm[i] = mz | (mz << 16);
+                    s2[i] = hs | (hs << 16);
+                }
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                ldmatrix_x4(a[mt], &As[st][(16 * mt + (lane & 15)) * GM_ASTRIDE + 16 * s + (lane >> 4) * 8]);
+            const u32* bsrow = &Bs[st][(16 * s) * GM_BSTRIDE + cl];
+            const u32 w0 = bsrow[(2 * tig) * GM_BSTRIDE];
+            const u32 w1 = bsrow[(2 * tig + 1) * GM_BSTRIDE];
+            const u32 w2 = bsrow[(2 * tig + 8) * GM_BSTRIDE];
+            const u32 w3 = bsrow[(2 * tig + 9) * GM_BSTRIDE];
+            const u32 tl0 = prmt(w0, w1, 0x5410), th0 = prmt(w0, w1, 0x7632);
+            const u32 tl1 = prmt(w2, w3, 0x5410), th1 = prmt(w2, w3, 0x7632);
+            const u32 MAGIC = BF ? 0x43004300u : 0x64006400u;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const u32 src0 = i < 4 ? tl0 : th0;
+                const u32 src1 = i < 4 ? tl1 : th1;
+                const int sh = 4 * (i & 3);
+                u32 b0 = ((src0 >> sh) & 0x000F000Fu) | MAGIC;
+                u32 b1 = ((src1 >> sh) & 0x000F000Fu) | MAGIC;
+                b0 = dq2<BF>(b0, zm[i], s2[i]);
+                b1 = dq2<BF>(b1, zm[i], s2[i]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) mma16816<BF>(acc[mt][i], a[mt], b0, b1);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue.
+    const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+    const int wca = wc_block + 8 * warp + 2 * tig;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int r = m0 + 16 * mt + g + ((c & 2) ? 8 : 0);
+                const int wc = wca + (c & 1);
+                if (r < M && wc < NW) {
+                    const i64 n = 8 * (i64)wc + order[i];
+                    const float v = acc[mt][i][c];
+                    if (split_out) {
+                        ((float*)out)[((i64)blockIdx.z * M + r) * N + n] = v;
+                    } else {
+                        ((u16*)out)[(i64)r * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define FORGE_GEMM_ENTRY(SUF, MT, BF)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) w4a16_awq_##SUF##_m##MT(                            \
+        const u16* x, const u32* qw, const u32* qz, const u16* sc, void* out, int M, int N, int K, int G,  \
+        int k_chunk, int split_out) {                                                                      \
+        w4a16_awq_impl<MT, BF>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out);                         \
+    }
+FORGE_GEMM_ENTRY(f16, 1, false)
+FORGE_GEMM_ENTRY(f16, 2, false)
+FORGE_GEMM_ENTRY(f16, 4, false)
+FORGE_GEMM_ENTRY(bf16, 1, true)
+FORGE_GEMM_ENTRY(bf16, 2, true)
+FORGE_GEMM_ENTRY(bf16, 4, true)
+
+// Sum of split-K partials ws[splits, MN] in split order, converted to the output dtype.
+template <bool BF>
+__device__ __forceinline__ void w4a16_reduce_impl(const float* ws, u16* y, int splits, i64 mn) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= mn) return;
+    float s = 0.0f;
+    for (int z = 0; z < splits; z++) s = s + ws[(i64)z * mn + i];
+    y[i] = BF ? f32_to_bf16_rn(s) : f32_to_f16_rn(s);
+}
+extern "C" __global__ void w4a16_reduce_f16(const float* ws, u16* y, int splits, i64 mn) {
+    w4a16_reduce_impl<false>(ws, y, splits, mn);
+}
+extern "C" __global__ void w4a16_reduce_bf16(const float* ws, u16* y, int splits, i64 mn) {
+    w4a16_reduce_impl<true>(ws, y, splits, mn);
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMV-style path for M <= 16: no shared-memory staging of the weights. Each warp streams
+// its B fragments straight from global memory (one batch of 32 k ahead in registers), the
+// block's slice of x sits in shared memory (rows >= M alias a zero row for ldmatrix), the
+// 4 warps of a block split the block's K range (interleaved batches of 32 k) and their
+// accumulators are summed in a fixed order at the end. Block = 8 word columns (64 outputs).
+
+template <bool BF>
+__device__ __forceinline__ void gemv_meta(u32 zw, uint4 sv, u32 zm[8], u32 s2[8]) {
+    const u32 h[8] = {sv.x & 0xFFFF, sv.x >> 16, sv.y & 0xFFFF, sv.y >> 16,
+                      sv.z & 0xFFFF, sv.z >> 16, sv.w & 0xFFFF, sv.w >> 16};
+    const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        u32 z = (zw >> (4 * i)) & 15u;
+        u32 hs = h[order[i]];
+        if (BF) {
+            u32 nz = 0xC300u | z;
+            zm[i] = nz | (nz << 16);
+            u32 b = f32_to_bf16_rn(f16_to_f32((u16)hs));
+            s2[i] = b | (b << 16);
+        } else {
+            u32 mz = 0x6400u | z;
+            zm[i] = mz | (mz << 16);
+            s2[i] = hs | (hs << 16);
+        }
+    }
+}
+
+template <bool BF>
+__device__ __forceinline__ void gemv_step(float acc[8][4], const u16* arow, u32 w0, u32 w1, u32 w2, u32 w3,
+                                          const u32 zm[8], const u32 s2[8]) {
+    u32 a[4];
+    ldmatrix_x4(a, arow);
+    const u32 tl0 = prmt(w0, w1, 0x5410), th0 = prmt(w0, w1, 0x7632);
+    const u32 tl1 = prmt(w2, w3, 0x5410), th1 = prmt(w2, w3, 0x7632);
+    const u32 MAGIC = BF ? 0x43004300u : 0x64006400u;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const u32 src0 = i < 4 ? tl0 : th0;
+        const u32 src1 = i < 4 ? tl1 : th1;
+        const int sh = 4 * (i & 3);
+        u32 b0 = and_or(src0 >> sh, 0x000F000Fu, MAGIC);
+        u32 b1 = and_or(src1 >> sh, 0x000F000Fu, MAGIC);
+        b0 = dq2<BF>(b0, zm[i], s2[i]);
+        b1 = dq2<BF>(b1, zm[i], s2[i]);
+        mma16816<BF>(acc[i], a, b0, b1);
+    }
+}
+
+struct GemvBatch {
+    u32 w[8];
+    u32 zw;
+    uint4 sv;
+};
+
+template <bool BF>
+__device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
+                                                const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
+                                                int M, int N, int K, int gshift, int k_chunk, int split_out) {
+    extern __shared__ __align__(16) u16 xs[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const int NW = N >> 3;
+    const int c = blockIdx.x * 8 + g;
+    const bool col_ok = c < NW;
+    const int kbeg = blockIdx.z * k_chunk;
+    const int kend = min(K, kbeg + k_chunk);
+    const int klen = kend - kbeg;
+    const int XS = k_chunk + 8;
+
+    // x slice -> shared memory; row M is zeros.
+    const int cpr = klen >> 3;  // 16-byte chunks per row
+    for (int i = tid; i < (M + 1) * cpr; i += 128) {
+        int r = i / cpr, cc = i - r * cpr;
+        uint4 v;
+        v.x = 0; v.y = 0; v.z = 0; v.w = 0;
+        if (r < M) v = *(const uint4*)(x + (i64)r * K + kbeg + 8 * cc);
+        *(uint4*)&xs[r * XS + 8 * cc] = v;
+    }
+    __syncthreads();
+
+    float acc[8][4];
+#pragma unroll
+    for (int b = 0; b < 8; b++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[b][q] = 0.0f;
+
+    const int arow_r = (lane & 15) < M ? (lane & 15) : M;
+    const u16* arow = xs + arow_r * XS + (lane >> 4) * 8;
+    const u32* qcol = qw + c;
+
+    const i64 NW64 = NW;
+    auto load = [&](int b, GemvBatch& B) {
+        const int k0 = kbeg + 32 * b;
+        if (col_ok) {
+            const u32* p = qcol + (i64)(k0 + 2 * tig) * NW64;
+            B.w[0] = __ldg(p);
+            B.w[1] = __ldg(p + NW64);
+            B.w[2] = __ldg(p + 8 * NW64);
+            B.w[3] = __ldg(p + 9 * NW64);
+            B.w[4] = __ldg(p + 16 * NW64);
+            B.w[5] = __ldg(p + 17 * NW64);
+            B.w[6] = __ldg(p + 24 * NW64);
+            B.w[7] = __ldg(p + 25 * NW64);
+            const int grp = k0 >> gshift;
+            B.zw = __ldg(qz + (i64)grp * NW64 + c);
+            B.sv = __ldg((const uint4*)(sc + (i64)grp * N + 8 * (i64)c));
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) B.w[j] = 0;
+            B.zw = 0;
+            B.sv.x = 0; B.sv.y = 0; B.sv.z = 0; B.sv.w = 0;
+        }
+    };
+    auto compute = [&](int b, const GemvBatch& B) {
+        u32 zm[8], s2[8];
+        gemv_meta<BF>(B.zw, B.sv, zm, s2);
+        gemv_step<BF>(acc, arow + 32 * b, B.w[0], B.w[1], B.w[2], B.w[3], zm, s2);
+        gemv_step<BF>(acc, arow + 32 * b + 16, B.w[4], B.w[5], B.w[6], B.w[7], zm, s2);
+    };
+
+    const int nb = klen >> 5;
+    GemvBatch B0, B1, B2;
+    int b = warp;
+    if (b < nb) load(b, B0);
+    if (b + 4 < nb) load(b + 4, B1);
+    for (; b < nb; b += 12) {
+        if (b + 8 < nb) load(b + 8, B2);
+        compute(b, B0);
+        if (b + 4 >= nb) break;
+        if (b + 12 < nb) load(b + 12, B0);
+        compute(b + 4, B1);
+        if (b + 8 >= nb) break;
+        if (b + 16 < nb) load(b + 16, B1);
+        compute(b + 8, B2);
+    }
+
+    // Sum the 4 warps' accumulators (fixed order) through shared memory.
+    __syncthreads();
+    float* red = (float*)xs;  // 4 warps x 32 lanes x 32 values (16 KB) — reuses the x slice
+    if (warp > 0) {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) red[((warp - 1) * 32 + (i * 4 + q)) * 32 + lane] = acc[i][q];
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                float v = acc[i][q];
+#pragma unroll
+                for (int w = 0; w < 3; w++) v = v + red[(w * 32 + (i * 4 + q)) * 32 + lane];
+                const int r = g + ((q & 2) ? 8 : 0);
+                const int wc = blockIdx.x * 8 + 2 * tig + (q & 1);
+                if (r < M && wc < NW) {
+                    const i64 n = 8 * (i64)wc + order[i];
+                    if (split_out) {
+                        ((float*)out)[((i64)blockIdx.z * M + r) * N + n] = v;
+                    } else {
+                        ((u16*)out)[(i64)r * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// G is passed as its log2 (the GEMV path needs a power-of-two group size).
+#ifndef GEMV_MIN_BLOCKS
+#define GEMV_MIN_BLOCKS 1
+#endif
+extern "C" __global__ void __launch_bounds__(128, GEMV_MIN_BLOCKS) w4a16_gemv_f16(const u16* x, const u32* qw, const u32* qz,
+                                                                 const u16* sc, void* out, int M, int N, int K,
+                                                                 int gshift, int k_chunk, int split_out) {
+    w4a16_gemv_impl<false>(x, qw, qz, sc, out, M, N, K, gshift, k_chunk, split_out);
+}
+extern "C" __global__ void __launch_bounds__(128, GEMV_MIN_BLOCKS) w4a16_gemv_bf16(const u16* x, const u32* qw, const u32* qz,
+                                                                  const u16* sc, void* out, int M, int N, int K,
+                                                                  int gshift, int k_chunk, int split_out) {
+    w4a16_gemv_impl<true>(x, qw, qz, sc, out, M, N, K, gshift, k_chunk, split_out);
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMV path, version 2 (M <= 16, power-of-two G): like w4a16_gemv_* but each warp streams
+// its weight rows through its own cp.async ring in shared memory (GV2_RS stages of one
+// 16-deep k step: 16 rows x 8 words + that step's zero word and scales), so many steps
+// are in flight without registers and without block-wide barriers in the main loop.
+// Dynamic shared memory: [x slice (M+1) x (k_chunk+8) halves | 4 warp rings].
+
+#define GV2_RS 8
+#define GV2_ROW 12                       // words per ring row (8 used, padded: no bank conflicts)
+#define GV2_STAGE (16 * GV2_ROW + 8 + 32)  // rows | 8 zero words | 64 scales (32 words)
+
+template <bool BF>
+__device__ __forceinline__ void w4a16_gemv2_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
+                                                 const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
+                                                 int M, int N, int K, int gshift, int k_chunk, int split_out) {
+    extern __shared__ __align__(16) u16 xs[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const int NW = N >> 3;
+    const int c0 = blockIdx.x * 8;
+    const int kbeg = blockIdx.z * k_chunk;
+    const int kend = min(K, kbeg + k_chunk);
+    const int klen = kend - kbeg;
+    const int XS = k_chunk + 8;
+    const int xs_words = (((M + 1) * XS) + 7) / 8 * 4;  // 16-byte aligned end of the x slice
+    u32* ring = (u32*)xs + xs_words + warp * (GV2_RS * GV2_STAGE);
+
+    const int cpr = klen >> 3;
+    for (int i = tid; i < (M + 1) * cpr; i += 128) {
+        int r = i / cpr, cc = i - r * cpr;
+        uint4 v;
+        v.x = 0; v.y = 0; v.z = 0; v.w = 0;
+        if (r < M) v = *(const uint4*)(x + (i64)r * K + kbeg + 8 * cc);
+        *(uint4*)&xs[r * XS + 8 * cc] = v;
+    }
+    __syncthreads();
+
+    const int nsteps = klen >> 4;
+    // This warp's steps: warp, warp + 4, ...
+    const int mine = nsteps > warp ? (nsteps - warp + 3) / 4 : 0;
+    const i64 NW64 = NW;
+    const bool chunk_ok = c0 + 4 * (lane & 1) < NW;  // NW % 4 == 0: a chunk is all in or out
+    auto issue = [&](int j) {                          // j-th step of this warp -> its stage
+        u32* st = ring + (j % GV2_RS) * GV2_STAGE;
+        const int k0 = kbeg + 16 * (warp + 4 * j);
+        const int row = lane >> 1, half = lane & 1;
+        const u32* src = qw + (i64)(k0 + row) * NW64 + c0 + 4 * half;
+        cp_async16(st + row * GV2_ROW + 4 * half, chunk_ok ? src : qw, chunk_ok ? 16 : 0);
+        if (lane < 10) {
+            const int grp = k0 >> gshift;
+            if (lane < 2) {
+                bool ok = c0 + 4 * lane < NW;
+                cp_async16(st + 16 * GV2_ROW + 4 * lane, ok ? qz + (i64)grp * NW64 + c0 + 4 * lane : qz, ok ? 16 : 0);
+            } else {
+                int ch = lane - 2;  // one word column (8 scales) per chunk
+                bool ok = c0 + ch < NW;
+                cp_async16(st + 16 * GV2_ROW + 8 + 4 * ch, ok ? sc + (i64)grp * N + 8 * (i64)(c0 + ch) : sc,
+                           ok ? 16 : 0);
+            }
+        }
+    };
+
+    float acc[8][4];
+#pragma unroll
+    for (int b = 0; b < 8; b++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[b][q] = 0.0f;
+    const int arow_r = (lane & 15) < M ? (lane & 15) : M;
+    const u16* arow = xs + arow_r * XS + (lane >> 4) * 8;
+
+#pragma unroll
+    for (int j = 0; j < GV2_RS - 1; j++) {
+        if (j < mine) issue(j);
+        cp_async_commit();
+    }
+    int cur_grp = -1;
+    u32 zm[8], s2[8];
+    for (int j = 0; j < mine; j++) {
+        cp_async_wait<GV2_RS - 2>();
+        __syncwarp();
+        if (j + GV2_RS - 1 < mine) issue(j + GV2_RS - 1);
+        cp_async_commit();
+        const u32* st = ring + (j % GV2_RS) * GV2_STAGE;
+        const int kk = 16 * (warp + 4 * j);  // offset inside the slice
+        const int grp = (kbeg + kk) >> gshift;
+        if (grp != cur_grp) {
+            cur_grp = grp;
+            const u32 zw = st[16 * GV2_ROW + g];
+            const uint4 sv = *(const uint4*)(st + 16 * GV2_ROW + 8 + 4 * g);
+            gemv_meta<BF>(zw, sv, zm, s2);
+        }
+        const u32* b = st + g;
+        gemv_step<BF>(acc, arow + kk, b[(2 * tig) * GV2_ROW], b[(2 * tig + 1) * GV2_ROW], b[(2 * tig + 8) * GV2_ROW],
+                      b[(2 * tig + 9) * GV2_ROW], zm, s2);
+    }
+    cp_async_wait<0>();
+
+    __syncthreads();
+    float* red = (float*)xs;  // 3 warps x 32 values x 32 lanes (12 KB), reuses the slice
+    if (warp > 0) {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) red[((warp - 1) * 32 + (i * 4 + q)) * 32 + lane] = acc[i][q];
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                float v = acc[i][q];
+#pragma unroll
+                for (int w = 0; w < 3; w++) v = v + red[(w * 32 + (i * 4 + q)) * 32 + lane];
+                const int r = g + ((q & 2) ? 8 : 0);
+                const int wc = c0 + 2 * tig + (q & 1);
+                if (r < M && wc < NW) {
+                    const i64 n = 8 * (i64)wc + order[i];
+                    if (split_out) {
+                        ((float*)out)[((i64)blockIdx.z * M + r) * N + n] = v;
+                    } else {
+                        ((u16*)out)[(i64)r * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) w4a16_gemv2_f16(const u16* x, const u32* qw, const u32* qz,
+                                                                  const u16* sc, void* out, int M, int N, int K,
+                                                                  int gshift, int k_chunk, int split_out) {
+    w4a16_gemv2_impl<false>(x, qw, qz, sc, out, M, N, K, gshift, k_chunk, split_out);
+}
+extern "C" __global__ void __launch_bounds__(128) w4a16_gemv2_bf16(const u16* x, const u32* qw, const u32* qz,
+                                                                   const u16* sc, void* out, int M, int N, int K,
+                                                                   int gshift, int k_chunk, int split_out) {
+    w4a16_gemv2_impl<true>(x, qw, qz, sc, out, M, N, K, gshift, k_chunk, split_out);
+}

@@ -1,0 +1,113 @@
+// grid.cu — qmeta4 group metadata: range grid and MSE / L^p shrink search
+// (spec gptq-core-qmeta4 §6.2, §6.3; docs/numerics.md). One warp per group.
+// x: [rows, cols] row-major, groups of G consecutive elements of a row, the last group of a
+// row padded with zeros. qmeta: [rows, ceil(cols/G)] u32.
+
+__constant__ float c_p[1024];  // shrink factors of the MSE search (uploaded per call)
+
+template <int DT>
+__device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int rows, int cols, int G,
+                                                 int bits, int symmetric) {
+    const int lane = threadIdx.x & 31;
+    const i64 gid = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int ng = (cols + G - 1) / G;
+    if (gid >= (i64)rows * ng) return;
+    const i64 r = gid / ng;
+    const int g = (int)(gid % ng);
+    float mn = f_inf(), mx = -f_inf();
+    for (int i = lane; i < G; i += 32) {
+        int c = g * G + i;
+        float v = c < cols ? Elem<DT>::load(x, r * cols + c) : 0.0f;
+        mn = fminf(mn, v);
+        mx = fmaxf(mx, v);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    }
+    if (lane == 0) {
+        float maxq = (float)((1u << bits) - 1u);
+        u32 m;
+        if (symmetric) {
+            float amax = fmaxf(fabsf(mn), fabsf(mx));
+            float s = (2.0f * amax) / maxq;
+            s = s + FORGE_EPS;
+            m = make_qmeta(encode_log2_q88(s), 1u << (bits - 1), 1u);
+        } else {
+            float s = (mx - mn) / maxq;
+            s = s + FORGE_EPS;
+            float z = rintf(-mn / s);
+            z = fminf(fmaxf(z, 0.0f), maxq);
+            m = make_qmeta(encode_log2_q88(s), (u32)z, 0u);
+        }
+        qmeta[gid] = m;
+    }
+}
+
+// MSE / L^p refinement. One warp per group; the group's elements are staged in shared
+// memory (G <= 1024, blockDim 128 => 4 groups per block).
+template <int DT>
+__device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int rows, int cols, int G,
+                                               int bits, int n_grid, float norm) {
+    extern __shared__ float sm_grp[];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const i64 gid = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int ng = (cols + G - 1) / G;
+    if (gid >= (i64)rows * ng) return;
+    const i64 r = gid / ng;
+    const int g = (int)(gid % ng);
+    float* buf = sm_grp + warp * G;
+    for (int i = lane; i < G; i += 32) {
+        int c = g * G + i;
+        buf[i] = c < cols ? Elem<DT>::load(x, r * cols + c) : 0.0f;
+    }
+    __syncwarp();
+    const u32 meta = qmeta[gid];
+    const GroupParams p0 = qmeta_params(meta, bits);
+    const bool l2 = (norm == 2.0f);
+    float best = f_inf();
+    float best_s = p0.scale;
+    for (int ci = 0; ci < n_grid; ci++) {
+        const float s = p0.scale * c_p[ci];
+        const float inv = 1.0f / s;
+        float acc = 0.0f;
+        for (int i = lane; i < G; i += 32) {
+            float xv = buf[i];
+            float q = xv * inv;
+            q = q + p0.zero;
+            q = rintf(q);
+            q = fminf(fmaxf(q, 0.0f), p0.maxq);
+            float e = (q - p0.zero) * s;
+            e = e - xv;
+            float l = l2 ? e * e : pow_p(fabsf(e), norm);
+            acc = acc + l;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            float o = __shfl_down_sync(0xffffffffu, acc, off);
+            if (lane < off) acc = acc + o;
+        }
+        if (acc < best) {  // lane 0's value is the loss; lowest index wins ties
+            best = acc;
+            best_s = s;
+        }
+    }
+    if (lane == 0) qmeta[gid] = make_qmeta(encode_log2_q88(best_s), (meta >> 16) & 0xFFu, (meta >> 24) & 1u);
+}
+
+#define FORGE_GRID_ENTRIES(SUF, DT)                                                                    \
+    extern "C" __global__ void qmeta_range_##SUF(const void* x, u32* qmeta, int rows, int cols, int G,  \
+                                                  int bits, int symmetric) {                            \
+        qmeta_range_impl<DT>(x, qmeta, rows, cols, G, bits, symmetric);                                 \
+    }                                                                                                  \
+    extern "C" __global__ void qmeta_mse_##SUF(const void* x, u32* qmeta, int rows, int cols, int G,    \
+                                                int bits, int n_grid, float norm) {                     \
+        qmeta_mse_impl<DT>(x, qmeta, rows, cols, G, bits, n_grid, norm);                                \
+    }
+
+FORGE_GRID_ENTRIES(f32, FORGE_DT_F32)
+FORGE_GRID_ENTRIES(f16, FORGE_DT_F16)
+FORGE_GRID_ENTRIES(bf16, FORGE_DT_BF16)
+FORGE_GRID_ENTRIES(f8e4m3, FORGE_DT_F8E4M3)

@@ -1,0 +1,159 @@
+"""CUDA kernels against the CPU core, through the public API (marker ``cuda``; skipped
+without a usable GPU). Integer outputs (qmeta bytes, codes, packed words) must be
+bit-exact; floating-point results within the stated tolerances."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import forge
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and forge.cuda_status()["available"]),
+        reason="needs an NVIDIA GPU with a CUDA driver",
+    ),
+]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+
+
+def adversarial(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random rows plus all-equal groups, zeros, huge and tiny magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w[0] = 0.0
+    w[1] = 0.37
+    if n > 4:
+        w[2] *= 1e-6
+        w[3] *= 300.0 if dtype in (torch.float8_e4m3fn, torch.float16) else 1e4
+        w[4, : k // 2] = -1.0
+    if dtype == torch.float8_e4m3fn:
+        w = w.clamp(-440, 440)
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,group,sym", [(4, 128, False), (4, 64, True), (3, 32, False), (8, 256, True)])
+@pytest.mark.parametrize("mode", ["range", "mse"])
+def test_grid_bit_exact(dtype, bits, group, sym, mode):
+    w = adversarial(48, 700, dtype)  # 700: a padded last group
+    cpu = forge.build_quant_grid(w, group, bits, sym, mode)
+    gpu = forge.build_quant_grid(w.cuda(), group, bits, sym, mode)
+    assert gpu[1:] == cpu[1:]
+    assert torch.equal(gpu[0].cpu(), cpu[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n,group", [(256, 64, 128), (512, 136, 64), (7168 // 4, 256, 128)])
+def test_quantize_pack_bit_exact(dtype, k, n, group):
+    w = adversarial(n, k, dtype, seed=1)
+    qmeta, _, _ = forge.build_quant_grid(w, group, 4, False, "range")
+    cpu = forge.quantize_pack_awq(w, qmeta, group)
+    gpu = forge.quantize_pack_awq(w.cuda(), qmeta.cuda(), group)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert torch.equal(a, b.cpu())
+
+
+def test_pack_codes_bit_exact():
+    g = torch.Generator().manual_seed(2)
+    k, n, group = 512, 264, 64
+    w = torch.randn(n, k, generator=g)
+    qmeta, _, _ = forge.build_quant_grid(w, group, 4, True, "range")
+    codes = torch.randint(0, 16, (k, n), dtype=torch.uint8, generator=g)
+    cpu = forge.pack_awq(codes, qmeta, group)
+    gpu = forge.pack_awq(codes.cuda(), qmeta.cuda(), group)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.parametrize("act", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 128])
+@pytest.mark.parametrize("k,n,group", [(1024, 256, 128), (2048, 512, 64), (768, 1024, 32)])
+def test_awq_matmul_close_to_reference(act, m, k, n, group):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(n, k, generator=g) * 0.05
+    qmeta, _, _ = forge.build_quant_grid(w, group, 4, False, "mse")
+    qw, qz, sc = forge.quantize_pack_awq(w, qmeta, group)
+    x = torch.randn(m, k, generator=g).to(act)
+    ref = x.double() @ forge.dequantize_awq(qw, qz, sc, group).double().t()
+    y = forge.awq_matmul(x.cuda(), qw.cuda(), qz.cuda(), sc.cuda(), group)
+    assert y.dtype == act and y.shape == (m, n)
+    err = (y.double().cpu() - ref).abs().max() / ref.abs().max()
+    assert err < (2e-3 if act == torch.float16 else 1.6e-2), float(err)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("experts", [1, 3])
+def test_gptq_batched_matches_cpu(act_order, experts):
+    g = torch.Generator().manual_seed(4)
+    n, k, group = 192, 384, 128
+    ws, hs = [], []
+    for _ in range(experts):
+        x = torch.randn(1024, 8, generator=g) @ torch.randn(8, k, generator=g) + 0.3 * torch.randn(
+            1024, k, generator=g
+        )
+        hs.append(2 * x.T @ x / x.shape[0])
+        ws.append(torch.randn(n, k, generator=g) * 0.1)
+    h = torch.stack(hs)
+    w = torch.stack(ws)
+    qm = torch.stack([forge.build_quant_grid(wi, group, 4, False, "range")[0] for wi in ws])
+    u, perm, _, _, _ = forge.prepare_hessian_batched(h, 0.01, act_order)
+    wt = w.transpose(1, 2).contiguous()
+    codes_cpu, deq_cpu = forge.gptq_solve_batched(wt, u, qm, 4, group, 128, perm)
+    codes_gpu, deq_gpu = forge.gptq_solve_batched(
+        wt.cuda(), u.cuda(), qm.cuda(), 4, group, 128, None if perm is None else perm.cuda()
+    )
+    agree = (codes_gpu.cpu() == codes_cpu).float().mean()
+    assert agree >= 0.999, float(agree)
+    # layer error of the GPU result equals the CPU one to 1 %
+    for i in range(experts):
+        e_cpu = float(torch.trace((w[i].T - deq_cpu[i]).T @ h[i] @ (w[i].T - deq_cpu[i])))
+        d = deq_gpu[i].cpu()
+        e_gpu = float(torch.trace((w[i].T - d).T @ h[i] @ (w[i].T - d)))
+        assert abs(e_gpu - e_cpu) <= 0.01 * e_cpu
+
+
+def test_prepare_hessian_gpu_matches_cpu():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(512, 96, generator=g)
+    h = 2 * x.T @ x / 512
+    h[7, :] = 0
+    h[:, 7] = 0
+    for act_order in (False, True):
+        a = forge.prepare_hessian(h, 0.01, act_order)
+        b = forge.prepare_hessian(h.cuda(), 0.01, act_order)
+        assert b.dead == a.dead == 1
+        torch.testing.assert_close(b.hinv_chol.cpu(), a.hinv_chol, rtol=1e-3, atol=1e-4)
+        if act_order:
+            assert torch.equal(b.perm.cpu(), a.perm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_hessian_update_and_segments(dtype):
+    g = torch.Generator().manual_seed(6)
+    t, d, e = 300, 200, 4
+    x = torch.randn(t, d, generator=g).to(dtype)
+    h = torch.zeros(d, d, device="cuda")
+    forge.hessian_update(h, x.cuda(), 0.5)
+    ref = 0.5 * x.double().T @ x.double()
+    torch.testing.assert_close(h.double().cpu(), ref, rtol=1e-4, atol=1e-3)
+    idx = torch.randperm(t, generator=g)[:250].to(torch.int32)
+    offsets = torch.tensor([0, 60, 60, 200, 250], dtype=torch.int32)
+    hs = torch.zeros(e, d, d, device="cuda")
+    forge.hessian_update_segmented(hs, x.cuda(), idx.cuda(), offsets.cuda(), 1.0)
+    for i in range(e):
+        xe = x[idx[offsets[i] : offsets[i + 1]].long()].double()
+        torch.testing.assert_close(hs[i].double().cpu(), xe.T @ xe, rtol=1e-4, atol=1e-3)
+
+
+def test_cuda_rejects_bad_input():
+    w = torch.randn(8, 64, device="cuda")
+    w[3, 5] = float("nan")
+    with pytest.raises(forge.errors.InvalidValueError, match="weight"):
+        forge.build_quant_grid(w, 32)
+    qmeta, _, _ = forge.build_quant_grid(torch.randn(8, 64), 32)
+    with pytest.raises(forge.errors.DeviceError, match="qmeta"):
+        forge.quantize_pack_awq(torch.randn(8, 64, device="cuda"), qmeta, 32)
