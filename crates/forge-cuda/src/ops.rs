@@ -479,9 +479,17 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
             smem,
         };
     }
-    let mt = if m <= 16 {
+    // FORGE_GEMM_MT=1|2|4 forces the m16 tiles per block of the tiled path (tuning aid).
+    let forced = std::env::var("FORGE_GEMM_MT")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|v| [1, 2, 4].contains(v));
+    // Large M: 4 m16 tiles per block, unless that leaves the chip mostly idle (few N blocks).
+    let mt = if let Some(f) = forced {
+        f
+    } else if m <= 16 {
         1
-    } else if m <= 32 {
+    } else if m <= 32 || n.div_ceil(GEMM_BN) * m.div_ceil(64) < slots / 4 {
         2
     } else {
         4
@@ -534,7 +542,9 @@ fn plan_for(
     let probe = gemm_plan(sms * 4, m, n, k, gemv_ok);
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
     let occ = dev.occupancy(f, 128, probe.smem);
-    Ok((gemm_plan(sms * occ, m, n, k, gemv_ok), f))
+    let plan = gemm_plan(sms * occ, m, n, k, gemv_ok);
+    let f = dev.function(gemm_kernel_name(act, &plan)?)?;
+    Ok((plan, f))
 }
 
 /// Bytes of fp32 workspace [`w4a16_gemm_awq`] needs for this shape on `device` (0 when it

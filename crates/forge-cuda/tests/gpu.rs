@@ -445,6 +445,19 @@ fn w4a16_gemm_matches_cpu() {
                 gemm_case(m, k, n, g, act, seed);
                 seed += 1;
             }
+            if m <= 16 {
+                // Long K (split-K, many batches per warp) and a non-power-of-two group
+                // (the tiled fallback of the GEMV path).
+                gemm_case(m, 4096, 2048, 128, act, seed);
+                gemm_case(m, 2048, 160, 32, act, seed + 1);
+                gemm_case(m, 960, 64, 96, act, seed + 2);
+                seed += 3;
+            }
+            if m == 128 {
+                // Wide enough for the 4-m16-tile kernel.
+                gemm_case(m, 256, 8448, 128, act, seed);
+                seed += 1;
+            }
         }
     }
 }
