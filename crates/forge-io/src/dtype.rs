@@ -112,36 +112,9 @@ impl std::fmt::Display for Dtype {
     }
 }
 
-/// Exact E4M3FN → f32 decode of all 256 byte values, built at compile time
-/// from the bit fields: sign `s`, exponent `e` (4 bits, bias 7), mantissa `m`
-/// (3 bits). Normal: `(1 + m/8)·2^(e−7)` → f32 exponent `e + 120`, mantissa
-/// `m << 20`. Subnormal (`e = 0`): `m · 2^−9`. `0x7F`/`0xFF` are NaN; there
-/// are no infinities, so `0x7E` = 448 is the largest finite value.
-pub const E4M3_TO_F32: [f32; 256] = {
-    let mut table = [0.0f32; 256];
-    let mut b = 0usize;
-    while b < 256 {
-        let sign = ((b as u32) >> 7) << 31;
-        let e = ((b >> 3) & 0xF) as u32;
-        let m = (b & 7) as u32;
-        let bits = if e == 15 && m == 7 {
-            sign | 0x7FC0_0000
-        } else if e == 0 {
-            // m · 2^-9 is exact in f32: place the leading one of m by hand.
-            match m {
-                0 => sign,
-                1 => sign | (118 << 23),
-                2 | 3 => sign | (119 << 23) | ((m & 1) << 22),
-                _ => sign | (120 << 23) | ((m & 3) << 21),
-            }
-        } else {
-            sign | ((e + 120) << 23) | (m << 20)
-        };
-        table[b] = f32::from_bits(bits);
-        b += 1;
-    }
-    table
-};
+/// Exact value of every fp8 E4M3 (`e4m3fn`) byte: the one table of the project, owned by
+/// `forge-core` (the CUDA kernels embed the same table).
+pub use forge_core::dtype::E4M3_TABLE as E4M3_TO_F32;
 
 /// Decodes one E5M2 byte (exact: E5M2 is the high byte of an IEEE half).
 #[inline]
