@@ -44,6 +44,14 @@ extern "C" __global__ void __launch_bounds__(GQ_THREADS) gptq_block_f32(
             if (ok) p = qmeta_params(qmeta[(i64)r * ng + g], bits);
         }
         const float* Urow = U + (i64)j * C;
+        // This row's coefficients for the (up to 4) 32-row chunks below jj, loaded together
+        // up front so their latency overlaps (and overlaps the quantization).
+        float mine[GQ_BMAX / 32];
+#pragma unroll
+        for (int c = 0; c < GQ_BMAX / 32; c++) {
+            const int k = jj + 1 + 32 * c + lane;
+            mine[c] = k < bsz ? Urow[i1 + k] : 0.0f;
+        }
         const float d = Urow[j];
         const float x = Ws[jj][tid];
         const float q = quant_code(x, p);
@@ -54,12 +62,25 @@ extern "C" __global__ void __launch_bounds__(GQ_THREADS) gptq_block_f32(
             codes[(i64)src * R + r] = (u8)q;
             err[(i64)jj * R + r] = ev;
         }
-        for (int k0 = jj + 1; k0 < bsz; k0 += 32) {
-            const float mine = (k0 + lane < bsz) ? Urow[i1 + k0 + lane] : 0.0f;
-            const int cnt = min(32, bsz - k0);
-            for (int l = 0; l < cnt; l++) {
-                const float coef = __shfl_sync(0xffffffffu, mine, l);
-                if (coef != 0.0f) Ws[k0 + l][tid] = Ws[k0 + l][tid] - coef * ev;
+#pragma unroll
+        for (int c = 0; c < GQ_BMAX / 32; c++) {
+            const int k0 = jj + 1 + 32 * c;
+            if (k0 >= bsz) break;
+            float* wk = &Ws[k0][tid];
+            if (k0 + 32 <= bsz) {
+#pragma unroll
+                for (int l = 0; l < 32; l++) {
+                    const float coef = __shfl_sync(0xffffffffu, mine[c], l);
+                    const float cur = wk[l * GQ_THREADS];
+                    const float upd = cur - coef * ev;
+                    if (coef != 0.0f) wk[l * GQ_THREADS] = upd;
+                }
+            } else {
+                const int cnt = bsz - k0;
+                for (int l = 0; l < cnt; l++) {
+                    const float coef = __shfl_sync(0xffffffffu, mine[c], l);
+                    if (coef != 0.0f) wk[l * GQ_THREADS] = wk[l * GQ_THREADS] - coef * ev;
+                }
             }
         }
     }
@@ -130,4 +151,124 @@ extern "C" __global__ void __launch_bounds__(256) gptq_trail_f32(float* W, const
             if (r < R) W[row * R + r] = W[row * R + r] - acc[p][q];
         }
     }
+}
+
+// gptq_trail128_f32: the same update as gptq_trail_f32, register-blocked: 128×128 output tile
+// per 256-thread block, 8×8 outputs per thread (rows ty·4+{0..3}, 64+ty·4+{0..3}; columns
+// tx·4+{0..3}, 64+tx·4+{0..3}), BK = 8, shared memory double-buffered with one barrier per
+// k step, explicit fmaf (fp32, no TF32; the module is compiled with --fmad=false).
+#define GT2_T 128
+#define GT2_K 8
+
+template <bool VEC>
+__device__ __forceinline__ float4 gt2_load(const float* p, int avail) {
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (VEC) {
+        if (avail >= 4) v = __ldg((const float4*)p);
+    } else {
+        if (avail > 0) v.x = __ldg(p);
+        if (avail > 1) v.y = __ldg(p + 1);
+        if (avail > 2) v.z = __ldg(p + 2);
+        if (avail > 3) v.w = __ldg(p + 3);
+    }
+    return v;
+}
+
+template <bool VEC>
+__device__ __forceinline__ void gptq_trail128_impl(float* W, const float* U, const float* err, const int* perm, int C,
+                                                   int R, int i1, int bsz) {
+    __shared__ __align__(16) float As[2][GT2_K][GT2_T];  // As[b][i] = U[i1 + b][i2 + ib + i]
+    __shared__ __align__(16) float Bs[2][GT2_K][GT2_T];  // Bs[b][r] = err[b][rb + r]
+    const int e = blockIdx.z;
+    const int i2 = i1 + bsz;
+    W += (i64)e * C * R;
+    U += (i64)e * C * C;
+    err += (i64)e * GQ_BMAX * R;
+    if (perm) perm += (i64)e * C;
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const int ib = i2 + blockIdx.y * GT2_T;  // first output row (processing position)
+    const int rb = blockIdx.x * GT2_T;
+    // Loader: k row lk, 4 consecutive elements at lc.
+    const int lk = tid >> 5, lc = (tid & 31) * 4;
+    const int a_avail = C - (ib + lc), b_avail = R - (rb + lc);
+    const float* ua = U + (i64)(i1 + lk) * C + ib + lc;
+    const float* eb = err + (i64)lk * R + rb + lc;
+
+    float acc[8][8];
+#pragma unroll
+    for (int a = 0; a < 8; a++)
+#pragma unroll
+        for (int c = 0; c < 8; c++) acc[a][c] = 0.0f;
+
+    const int nk = (bsz + GT2_K - 1) / GT2_K;
+    float4 ra, rbv;
+    {
+        const bool ok = lk < bsz;
+        ra = gt2_load<VEC>(ua, ok ? a_avail : 0);
+        rbv = gt2_load<VEC>(eb, ok ? b_avail : 0);
+        *(float4*)&As[0][lk][lc] = ra;
+        *(float4*)&Bs[0][lk][lc] = rbv;
+    }
+    __syncthreads();
+    for (int t = 0; t < nk; t++) {
+        const int cur = t & 1;
+        if (t + 1 < nk) {
+            const int b = (t + 1) * GT2_K + lk;
+            const bool ok = b < bsz;
+            ra = gt2_load<VEC>(ua + (i64)(t + 1) * GT2_K * C, ok ? a_avail : 0);
+            rbv = gt2_load<VEC>(eb + (i64)(t + 1) * GT2_K * R, ok ? b_avail : 0);
+        }
+#pragma unroll
+        for (int kk = 0; kk < GT2_K; kk++) {
+            const float4 a0 = *(const float4*)&As[cur][kk][ty * 4];
+            const float4 a1 = *(const float4*)&As[cur][kk][64 + ty * 4];
+            const float4 b0 = *(const float4*)&Bs[cur][kk][tx * 4];
+            const float4 b1 = *(const float4*)&Bs[cur][kk][64 + tx * 4];
+            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float c[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int p = 0; p < 8; p++)
+#pragma unroll
+                for (int q = 0; q < 8; q++) acc[p][q] = fmaf(a[p], c[q], acc[p][q]);
+        }
+        if (t + 1 < nk) {
+            *(float4*)&As[cur ^ 1][lk][lc] = ra;
+            *(float4*)&Bs[cur ^ 1][lk][lc] = rbv;
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int p = 0; p < 8; p++) {
+        const int i = ib + (p < 4 ? ty * 4 + p : 64 + ty * 4 + (p - 4));
+        if (i >= C) continue;
+        const i64 row = perm ? (i64)perm[i] : (i64)i;
+        float* wr = W + row * R;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = rb + h * 64 + tx * 4;
+            if (VEC) {
+                if (r + 4 > R) continue;
+                float4 v = *(float4*)&wr[r];
+                v.x = v.x - acc[p][4 * h + 0];
+                v.y = v.y - acc[p][4 * h + 1];
+                v.z = v.z - acc[p][4 * h + 2];
+                v.w = v.w - acc[p][4 * h + 3];
+                *(float4*)&wr[r] = v;
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    if (r + q < R) wr[r + q] = wr[r + q] - acc[p][4 * h + q];
+            }
+        }
+    }
+}
+
+// vec = 1 (VEC): C, R, i2 multiples of 4, U / err / W 16-byte aligned; else the scalar loads.
+extern "C" __global__ void __launch_bounds__(256, 2) gptq_trail128_f32(float* W, const float* U, const float* err,
+                                                                       const int* perm, int C, int R, int i1, int bsz,
+                                                                       int vec) {
+    if (vec)
+        gptq_trail128_impl<true>(W, U, err, perm, C, R, i1, bsz);
+    else
+        gptq_trail128_impl<false>(W, U, err, perm, C, R, i1, bsz);
 }

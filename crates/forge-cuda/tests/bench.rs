@@ -74,6 +74,10 @@ fn bench_all() {
         }
         return;
     }
+    if mode == "gptq" {
+        bench_gptq_batched();
+        return;
+    }
     // Device-to-device copy: the bandwidth yardstick.
     let bytes = 1usize << 30;
     let a = DeviceBuf::zeroed(0, bytes).unwrap();
@@ -277,4 +281,85 @@ fn bench_all() {
         ms,
         ms / e as f32
     );
+}
+
+/// Batched GPTQ at the anchor shapes (anchors.md: torch.bmm reference 28.5 ms per matrix for
+/// 48 experts of N=2048, K=7168 and 13 ms per matrix for 64 experts of N=7168, K=2048), with
+/// the trailing kernel selected by FORGE_GPTQ_TRAIL (64 = old, default = 128×128 tiles,
+/// none = in-block kernel only).
+fn bench_gptq_batched() {
+    for (e, c, rr) in [(48usize, 7168usize, 2048usize), (64, 2048, 7168)] {
+        let mut r = Lcg(9);
+        let wv: Vec<f32> = (0..c * rr).map(|_| r.f() * 0.02).collect();
+        let mut u = vec![0f32; c * c];
+        for i in 0..c {
+            u[i * c + i] = 1.0;
+            for j in i + 1..(i + 8).min(c) {
+                u[i * c + j] = 0.01 * r.f();
+            }
+        }
+        let spec = GridSpec {
+            bits: 4,
+            group_size: 128,
+            symmetric: true,
+        };
+        let qmv: Vec<u32> = vec![0x0108_F95B; rr * c / 128];
+        let w1 = DeviceBuf::from_slice(0, &wv).unwrap();
+        let u1 = DeviceBuf::from_slice(0, &u).unwrap();
+        let q1 = DeviceBuf::from_slice(0, &qmv).unwrap();
+        let dw = DeviceBuf::zeroed(0, e * c * rr * 4).unwrap();
+        let du = DeviceBuf::zeroed(0, e * c * c * 4).unwrap();
+        let dq = DeviceBuf::zeroed(0, e * rr * c / 128 * 4).unwrap();
+        for i in 0..e {
+            unsafe {
+                copy_d2d(
+                    0,
+                    dw.ptr() + (i * c * rr * 4) as u64,
+                    w1.ptr(),
+                    c * rr * 4,
+                    0,
+                )
+                .unwrap();
+                copy_d2d(0, du.ptr() + (i * c * c * 4) as u64, u1.ptr(), c * c * 4, 0).unwrap();
+                copy_d2d(
+                    0,
+                    dq.ptr() + (i * rr * c / 128 * 4) as u64,
+                    q1.ptr(),
+                    rr * c / 128 * 4,
+                    0,
+                )
+                .unwrap();
+            }
+        }
+        let dc = DeviceBuf::zeroed(0, e * c * rr).unwrap();
+        let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, rr)).unwrap();
+        for trail in ["64", "128", "none"] {
+            std::env::set_var("FORGE_GPTQ_TRAIL", trail);
+            let ms = time_ms(0, 0, 1, 2, || unsafe {
+                ops::gptq_solve(
+                    dw.ptr(),
+                    du.ptr(),
+                    dq.ptr(),
+                    0,
+                    dc.ptr(),
+                    de.ptr(),
+                    e,
+                    c,
+                    rr,
+                    &spec,
+                    128,
+                    S,
+                )
+            })
+            .unwrap();
+            let tf = (e * rr * c * c) as f64 / (ms as f64 * 1e-3) / 1e12;
+            println!(
+                "BENCH gptq_solve trail={trail:<4} {e} experts of C={c} R={rr}: {:.1} ms ({:.3} ms per matrix, {:.1} TFLOP/s counting R*C^2)",
+                ms,
+                ms / e as f32,
+                tf
+            );
+        }
+        std::env::remove_var("FORGE_GPTQ_TRAIL");
+    }
 }

@@ -610,6 +610,7 @@ fn gptq_solver_matches_cpu() {
         (256usize, 128usize, 128usize, 3usize, false),
         (384, 96, 64, 2, true),
         (200, 64, 32, 2, false),
+        (198, 50, 32, 2, true), // C, R not multiples of 4: scalar paths of gptq_trail128
     ] {
         let spec = GridSpec {
             bits: 4,
