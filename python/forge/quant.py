@@ -328,10 +328,14 @@ def pack_awq(
 
 
 def quantize_pack_awq(
-    weight: torch.Tensor, qmeta: torch.Tensor, group_size: int = 128
+    weight: torch.Tensor, qmeta: torch.Tensor, group_size: int = 128, check_finite: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest quantize ``weight (N, K)`` on its grid and pack to AWQ in one pass."""
-    return _native.quantize_pack_awq(weight, qmeta, group_size)
+    """Round-to-nearest quantize ``weight (N, K)`` on its grid and pack to AWQ in one pass.
+
+    ``check_finite=False`` skips the NaN/Inf pass over a CUDA weight (one extra read) when
+    the grid was built from the same weight, which already checked it.
+    """
+    return _native.quantize_pack_awq(weight, qmeta, group_size, check_finite)
 
 
 def unpack_awq(

@@ -90,7 +90,6 @@ pub fn quantize_pack_awq<'py>(
 ) -> PyResult<Three<'py>> {
     let py = w.obj.py();
     qmeta.require_same_device(w)?;
-    w.require_finite_cuda()?;
     let (n, k) = (w.shape[0], w.shape[1]);
     let (out, [a, b, c]) = awq_outputs(w, k, n, spec.group_size)?;
     let s = stream_of(w)?;
@@ -160,7 +159,14 @@ pub fn awq_matmul<'py>(
     let m = x.shape[0];
     let (y, yp) = empty_on(py, &[m, n], x.dtype, x)?;
     let s = stream_of(x)?;
-    // SAFETY: live CUDA tensors of checked shapes; workspace allocated stream-ordered.
+    // split-K scratch from PyTorch's caching allocator (cheap, and legal in CUDA graphs)
+    let ws_bytes = cu::w4a16_workspace_bytes(x.index, m, n, k, g).map_err(|e| cuda_err(py, e))?;
+    let (_ws, wsp) = if ws_bytes > 0 {
+        empty_on(py, &[ws_bytes], DType::U8, x)?
+    } else {
+        (py.None().into_bound(py), 0)
+    };
+    // SAFETY: live CUDA tensors of checked shapes; workspace of the size asked for.
     unsafe {
         cu::w4a16_gemm_awq(
             x.ptr as u64,
@@ -173,8 +179,8 @@ pub fn awq_matmul<'py>(
             qzeros.ptr as u64,
             scales.ptr as u64,
             yp,
-            0,
-            0,
+            wsp,
+            ws_bytes,
             s,
         )
     }

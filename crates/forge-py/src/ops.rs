@@ -446,18 +446,25 @@ pub fn pack_awq<'py>(
 }
 
 /// Fused round-to-nearest quantize + AWQ pack of `weight (N, K)` on its grid.
+/// `check_finite=False` skips the NaN/Inf pass over a CUDA weight (for callers that built
+/// the grid from the same weight, which checks it); CPU weights are always checked.
 #[pyfunction]
+#[pyo3(signature = (weight, qmeta, group_size, check_finite=true))]
 pub fn quantize_pack_awq<'py>(
     py: Python<'py>,
     weight: &Bound<'py, PyAny>,
     qmeta: &Bound<'py, PyAny>,
     group_size: i64,
+    check_finite: bool,
 ) -> PyResult<Three<'py>> {
     let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let w = weight_2d("weight", weight)?;
     let (n, k) = (w.shape[0], w.shape[1]);
     if w.is_cuda() {
         let (s, q) = pack_spec_cuda(py, qmeta, &w, k, n, group_size)?;
+        if check_finite {
+            w.require_finite_cuda()?;
+        }
         return cuda_ops::quantize_pack_awq(&w, &q, &s);
     }
     let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;

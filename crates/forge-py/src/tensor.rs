@@ -147,14 +147,24 @@ impl<'py> Tensor<'py> {
 
     /// Errors if a CUDA tensor holds NaN or Inf (CPU tensors are checked by the core).
     pub fn require_finite_cuda(&self) -> PyResult<()> {
-        let finite: bool = self
-            .obj
-            .py()
-            .import("torch")?
-            .call_method1("isfinite", (&self.obj,))?
-            .call_method0("all")?
-            .call_method0("item")?
-            .extract()?;
+        let torch = self.obj.py().import("torch")?;
+        let finite: bool = if self.dtype == DType::F8E4M3 {
+            // e4m3fn has no infinities; NaN is 0x7F / 0xFF (torch.isfinite has no fp8 kernel)
+            let bytes = self.obj.call_method1("view", (torch.getattr("uint8")?,))?;
+            let nan = bytes
+                .call_method1("bitwise_and", (0x7F,))?
+                .call_method1("eq", (0x7F,))?
+                .call_method0("any")?
+                .call_method0("item")?
+                .extract::<bool>()?;
+            !nan
+        } else {
+            torch
+                .call_method1("isfinite", (&self.obj,))?
+                .call_method0("all")?
+                .call_method0("item")?
+                .extract()?
+        };
         if !finite {
             return Err(raise(
                 self.obj.py(),
