@@ -596,3 +596,183 @@ extern "C" __global__ void __launch_bounds__(128) w4a16_gemv2_bf16(const u16* x,
                                                                    int gshift, int k_chunk, int split_out) {
     w4a16_gemv2_impl<true>(x, qw, qz, sc, out, M, N, K, gshift, k_chunk, split_out);
 }
+
+// ---------------------------------------------------------------------------------------
+// GEMV path, version 3 (M <= 4, power-of-two G): SIMT, fp32 FMA, zero point folded out of
+// the inner loop. Lane l of a warp owns WPL consecutive word columns (8·WPL outputs) and
+// streams down its warp's contiguous K range with one 4·WPL-byte load per row (a warp reads
+// 128·WPL contiguous bytes of a row), 8 rows (8 loads) in flight. A nibble q becomes the
+// float 128 + q by OR-ing it into bits 16..19 of 0x43000000 (exact); per group the thread
+// sums A = Σ (128+q)·x and X = Σ x over its rows and folds
+//   Σ (q − z)·s·x = s·(A − (128 + z)·X)
+// into the running total once per group. The 8 warps of a block split the block's K range
+// (contiguous slices) and are summed in a fixed order through shared memory; split-K over
+// blockIdx.z as for the other kernels (fp32 partials + w4a16_reduce_*).
+// bf16 activations use bf16(scale) (the same contract as the tensor-core paths).
+
+#define GV3_WARPS 8
+
+template <int MR, int WPL, bool BF>
+__device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
+                                                 const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
+                                                 int M, int N, int K, int gshift, int k_chunk, int split_out) {
+    constexpr int NC = 8 * WPL;  // outputs per lane
+    __shared__ float red[(GV3_WARPS - 1) * MR * NC * 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int NW = N >> 3;
+    const int c = (blockIdx.x * 32 + lane) * WPL;  // first word column of this lane
+    const bool col_ok = c < NW;                     // NW % 4 == 0: all WPL words in or out
+    const int kbeg = blockIdx.z * k_chunk;
+    const int kend = min(K, kbeg + k_chunk);
+    const int wlen = k_chunk / GV3_WARPS;  // multiple of 8
+    const int kb = min(kend, kbeg + warp * wlen);
+    const int ke = min(kend, kb + wlen);
+    const u32 MAGIC = 0x43000000u, MASK = 0x000F0000u;
+    const i64 NW64 = NW;
+
+    float T[MR][NC], A[MR][NC], X[MR];
+#pragma unroll
+    for (int r = 0; r < MR; r++) {
+        X[r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NC; i++) { T[r][i] = 0.0f; A[r][i] = 0.0f; }
+    }
+    // Group metadata (raw) of the group being summed.
+    u32 zw[WPL];
+    uint4 sv[WPL];
+    int cur = -1;
+
+    auto flush = [&]() {
+        const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+#pragma unroll
+        for (int j = 0; j < WPL; j++) {
+            const u32 h[4] = {sv[j].x, sv[j].y, sv[j].z, sv[j].w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const int o = order[i];
+                const u16 hs = (u16)((h[o >> 1] >> (16 * (o & 1))) & 0xFFFF);
+                float s = f16_to_f32(hs);
+                if (BF) s = bf16_to_f32(f32_to_bf16_rn(s));
+                const float zz = __uint_as_float(MAGIC | (((zw[j] >> (4 * i)) & 15u) << 16));  // 128 + z
+#pragma unroll
+                for (int r = 0; r < MR; r++) {
+                    const float d = fmaf(-zz, X[r], A[r][8 * j + i]);
+                    T[r][8 * j + i] = fmaf(s, d, T[r][8 * j + i]);
+                    A[r][8 * j + i] = 0.0f;
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < MR; r++) X[r] = 0.0f;
+    };
+
+    if (col_ok) {
+        for (int k0 = kb; k0 < ke; k0 += 8) {
+            const int grp = k0 >> gshift;
+            if (grp != cur) {
+                if (cur >= 0) flush();
+                cur = grp;
+#pragma unroll
+                for (int j = 0; j < WPL; j++) {
+                    zw[j] = __ldg(qz + (i64)grp * NW64 + c + j);
+                    sv[j] = __ldg((const uint4*)(sc + (i64)grp * N + 8 * (i64)(c + j)));
+                }
+            }
+            // 8 rows of weights in flight.
+            u32 w[8][WPL];
+            const u32* p = qw + (i64)k0 * NW64 + c;
+#pragma unroll
+            for (int rr = 0; rr < 8; rr++) {
+                if (WPL == 2) {
+                    const uint2 v = __ldg((const uint2*)(p + rr * NW64));
+                    w[rr][0] = v.x;
+                    w[rr][WPL - 1] = v.y;
+                } else {
+                    w[rr][0] = __ldg(p + rr * NW64);
+                }
+            }
+            float xv[MR][8];
+#pragma unroll
+            for (int r = 0; r < MR; r++) {
+                uint4 xr;
+                xr.x = 0; xr.y = 0; xr.z = 0; xr.w = 0;
+                if (r < M) xr = __ldg((const uint4*)(x + (i64)r * K + k0));
+                const u32 xw[4] = {xr.x, xr.y, xr.z, xr.w};
+#pragma unroll
+                for (int t = 0; t < 4; t++) {
+                    if (BF) {
+                        xv[r][2 * t] = __uint_as_float(xw[t] << 16);
+                        xv[r][2 * t + 1] = __uint_as_float(xw[t] & 0xFFFF0000u);
+                    } else {
+                        xv[r][2 * t] = f16_to_f32((u16)(xw[t] & 0xFFFF));
+                        xv[r][2 * t + 1] = f16_to_f32((u16)(xw[t] >> 16));
+                    }
+                }
+#pragma unroll
+                for (int rr = 0; rr < 8; rr++) X[r] = X[r] + xv[r][rr];
+            }
+#pragma unroll
+            for (int rr = 0; rr < 8; rr++) {
+#pragma unroll
+                for (int j = 0; j < WPL; j++) {
+                    const u32 v = w[rr][j];
+                    float f[8];
+                    f[0] = __uint_as_float(and_or(v << 16, MASK, MAGIC));
+                    f[1] = __uint_as_float(and_or(v << 12, MASK, MAGIC));
+                    f[2] = __uint_as_float(and_or(v << 8, MASK, MAGIC));
+                    f[3] = __uint_as_float(and_or(v << 4, MASK, MAGIC));
+                    f[4] = __uint_as_float(and_or(v, MASK, MAGIC));
+                    f[5] = __uint_as_float(and_or(v >> 4, MASK, MAGIC));
+                    f[6] = __uint_as_float(and_or(v >> 8, MASK, MAGIC));
+                    f[7] = __uint_as_float(and_or(v >> 12, MASK, MAGIC));
+#pragma unroll
+                    for (int r = 0; r < MR; r++)
+#pragma unroll
+                        for (int i = 0; i < 8; i++) A[r][8 * j + i] = fmaf(f[i], xv[r][rr], A[r][8 * j + i]);
+                }
+            }
+        }
+        if (cur >= 0) flush();
+    }
+
+    // Sum the warps (fixed order) through shared memory.
+    if (warp > 0) {
+#pragma unroll
+        for (int r = 0; r < MR; r++)
+#pragma unroll
+            for (int i = 0; i < NC; i++) red[(((warp - 1) * MR + r) * NC + i) * 32 + lane] = T[r][i];
+    }
+    __syncthreads();
+    if (warp == 0 && col_ok) {
+        const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+#pragma unroll
+        for (int r = 0; r < MR; r++) {
+            if (r >= M) break;
+#pragma unroll
+            for (int i = 0; i < NC; i++) {
+                float v = T[r][i];
+#pragma unroll
+                for (int w = 0; w < GV3_WARPS - 1; w++) v = v + red[((w * MR + r) * NC + i) * 32 + lane];
+                const i64 n = 8 * (i64)(c + i / 8) + order[i % 8];
+                if (split_out) {
+                    ((float*)out)[((i64)blockIdx.z * M + r) * N + n] = v;
+                } else {
+                    ((u16*)out)[(i64)r * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                }
+            }
+        }
+    }
+}
+
+#define FORGE_GEMV3_ENTRY(dt, MR, WPL, BF)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * GV3_WARPS) w4a16_gemv3_##dt##_r##MR(                  \
+        const u16* x, const u32* qw, const u32* qz, const u16* sc, void* out, int M, int N, int K, int gshift, \
+        int k_chunk, int split_out) {                                                                         \
+        w4a16_gemv3_impl<MR, WPL, BF>(x, qw, qz, sc, out, M, N, K, gshift, k_chunk, split_out);              \
+    }
+FORGE_GEMV3_ENTRY(f16, 1, 2, false)
+FORGE_GEMV3_ENTRY(f16, 2, 2, false)
+FORGE_GEMV3_ENTRY(f16, 4, 1, false)
+FORGE_GEMV3_ENTRY(bf16, 1, 2, true)
+FORGE_GEMV3_ENTRY(bf16, 2, 2, true)
+FORGE_GEMV3_ENTRY(bf16, 4, 1, true)

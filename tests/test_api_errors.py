@@ -651,3 +651,11 @@ def test_cuda_tensor_rejected_on_cpu_path():
         forge.quantize_rtn(w, qm(8, 2), 4, 32)
     with pytest.raises(DeviceError, match="hessian"):
         forge.prepare_hessian(torch.eye(4, device="cuda"))
+
+
+def test_quantize_model_device_errors(tmp_path):
+    with pytest.raises(ValueError, match="device"):
+        forge.quantize_model(tmp_path / "model", tmp_path / "out", device="gpu", progress=False)
+    if not forge.cuda_status()["available"]:
+        with pytest.raises(ValueError, match="cuda"):
+            forge.quantize_model(tmp_path / "model", tmp_path / "out", device="cuda", progress=False)

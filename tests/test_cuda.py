@@ -157,3 +157,19 @@ def test_cuda_rejects_bad_input():
     qmeta, _, _ = forge.build_quant_grid(torch.randn(8, 64), 32)
     with pytest.raises(forge.errors.DeviceError, match="qmeta"):
         forge.quantize_pack_awq(torch.randn(8, 64, device="cuda"), qmeta, 32)
+
+
+def test_quantize_model_on_cuda_is_byte_identical(tmp_path):
+    """A whole (tiny) checkpoint quantized on the GPU gives the same files as on the CPU."""
+    from tiny_models import make_fp8_variant, make_model
+
+    bf16 = make_model("deepseek", tmp_path / "src")
+    fp8 = make_fp8_variant(bf16, tmp_path / "src-fp8")
+    for src, method in ((bf16, "rtn"), (bf16, "mse"), (fp8, "rtn")):
+        cpu, gpu = tmp_path / f"cpu-{src.name}-{method}", tmp_path / f"gpu-{src.name}-{method}"
+        forge.quantize_model(src, cpu, method=method, group_size=32, progress=False)
+        forge.quantize_model(src, gpu, method=method, group_size=32, progress=False, device="cuda")
+        names = sorted(p.name for p in cpu.iterdir())
+        assert names == sorted(p.name for p in gpu.iterdir())
+        for name in names:
+            assert (cpu / name).read_bytes() == (gpu / name).read_bytes(), name

@@ -8,6 +8,7 @@ from __future__ import annotations
 from . import errors
 from ._native import __version__
 from .api import QuantizeReport, VerifyReport, inspect, quantize_model, verify
+from .checkpoint import load_dequantized_model, load_dequantized_state_dict
 from .gptq import GPTQ
 from .quant import (
     GPTQResult,
@@ -40,6 +41,8 @@ __all__ = [
     "QuantizeReport",
     "VerifyReport",
     "inspect",
+    "load_dequantized_model",
+    "load_dequantized_state_dict",
     "quantize_model",
     "verify",
     "GPTQ",

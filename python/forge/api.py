@@ -79,6 +79,7 @@ def quantize_model(
     threads: int | None = None,
     progress: bool = True,
     *,
+    device: str = "cpu",
     default_excludes: bool = True,
     skip_unpackable: bool = False,
     mse_grid: int = 100,
@@ -96,7 +97,8 @@ def quantize_model(
     ``method="rtn"`` rounds to nearest on the min/max grid; ``"mse"`` refines each group's scale
     with the MSE / L^p search first. ``resume=True`` continues an interrupted run in ``out_dir``
     and produces the same bytes as an uninterrupted one; a non-empty ``out_dir`` is refused
-    unless ``overwrite`` or ``resume``.
+    unless ``overwrite`` or ``resume``. ``device="cuda"`` (or ``"cuda:N"``) runs the grid and
+    the fused quantize+pack on the GPU; the output bytes are identical to a CPU run.
 
     Raises ``forge.errors.CheckpointError`` for unreadable or inconsistent input,
     ``ShapeError`` when a selected linear cannot be packed with ``group_size``,
@@ -119,6 +121,7 @@ def quantize_model(
         resume=resume,
         overwrite=overwrite,
         threads=threads,
+        device=device,
         progress=progress,
         mse_grid=mse_grid,
         mse_shrink=mse_shrink,

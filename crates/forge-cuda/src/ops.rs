@@ -398,13 +398,30 @@ const GEMV_SMEM: usize = 48 * 1024;
 const GEMV2_XSMEM: usize = 24 * 1024;
 const GEMV2_RINGS: usize = 4 * 8 * 928;
 
-/// GEMV kernel version for M <= 16: 1 (weights prefetched into registers, three batches
-/// in flight; the default, fastest measured) or 2 (per-warp cp.async rings in shared
-/// memory; experimental, `FORGE_GEMV=2`).
-fn gemv_version() -> usize {
+/// GEMV kernel version for M <= 16: 1 (tensor cores, weights prefetched into registers,
+/// three batches in flight; `FORGE_GEMV=1` forces it for every M <= 16), 2 (per-warp
+/// cp.async rings in shared memory; experimental, `FORGE_GEMV=2`) or 3 (SIMT with the zero
+/// point folded out of the inner loop; the default for M <= GEMV3_MAX_M).
+fn gemv_version(m: usize) -> usize {
     match std::env::var("FORGE_GEMV").as_deref() {
+        Ok("1") => 1,
         Ok("2") => 2,
+        _ if m <= GEMV3_MAX_M => 3,
         _ => 1,
+    }
+}
+
+/// Largest M the SIMT GEMV (version 3) handles.
+const GEMV3_MAX_M: usize = 4;
+/// Warps per block of the version-3 GEMV (each takes a contiguous K slice).
+const GEMV3_WARPS: usize = 8;
+
+/// Word columns per lane of the version-3 GEMV kernel for `m` rows (and its row template).
+fn gemv3_shape(m: usize) -> (usize, usize) {
+    match m {
+        1 => (1, 2),
+        2 => (2, 2),
+        _ => (4, 1),
     }
 }
 
@@ -425,6 +442,12 @@ struct GemmPlan {
     k_chunk: usize,
     /// Dynamic shared memory (GEMV path).
     smem: usize,
+    /// Threads per block.
+    threads: usize,
+    /// Outputs (columns of N) per block.
+    block_n: usize,
+    /// Row template of the version-3 GEMV kernel (1, 2 or 4; 0 otherwise).
+    rows: usize,
 }
 
 /// Number of K splits in `lo..=hi` whose grid (`base · s` equal blocks) best fills whole
@@ -450,8 +473,31 @@ fn pick_splits(base: usize, slots: usize, lo: usize, hi: usize) -> usize {
 /// `slots` = resident blocks per SM × SMs (one full wave).
 fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmPlan {
     let tiles = k / GEMM_BK;
+    if m <= GEMV3_MAX_M && gemv_ok && gemv_version(m) == 3 {
+        let (rows, wpl) = gemv3_shape(m);
+        let block_n = 8 * 32 * wpl;
+        let nblocks = n.div_ceil(block_n);
+        // K in units of 8 rows per warp.
+        let unit = 8 * GEMV3_WARPS;
+        let units = k.div_ceil(unit);
+        let splits = pick_splits(nblocks, slots, 1, units.max(1));
+        let per = units.div_ceil(splits).max(1);
+        let splits = units.div_ceil(per);
+        return GemmPlan {
+            mt: 0,
+            gemv: 3,
+            nblocks,
+            mblocks: 1,
+            splits,
+            k_chunk: per * unit,
+            smem: 0,
+            threads: 32 * GEMV3_WARPS,
+            block_n,
+            rows,
+        };
+    }
     if m <= 16 && gemv_ok {
-        let gemv = gemv_version();
+        let gemv = gemv_version(m).min(2);
         let nblocks = (n / 8).div_ceil(8);
         // Largest K slice that fits the shared-memory budget, in units of 32.
         let budget = if gemv == 2 { GEMV2_XSMEM } else { GEMV_SMEM };
@@ -477,6 +523,9 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
             splits,
             k_chunk,
             smem,
+            threads: 128,
+            block_n: 64,
+            rows: 0,
         };
     }
     // FORGE_GEMM_MT=1|2|4 forces the m16 tiles per block of the tiled path (tuning aid).
@@ -509,13 +558,18 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
         splits,
         k_chunk: per * GEMM_BK,
         smem: 0,
+        threads: 128,
+        block_n: GEMM_BN,
+        rows: 0,
     }
 }
 
 fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
     let suffix = if act == DType::F16 { "f16" } else { "bf16" };
     let mt = plan.mt;
-    let name = if mt == 0 && plan.gemv == 2 {
+    let name = if mt == 0 && plan.gemv == 3 {
+        format!("w4a16_gemv3_{suffix}_r{}", plan.rows)
+    } else if mt == 0 && plan.gemv == 2 {
         format!("w4a16_gemv2_{suffix}")
     } else if mt == 0 {
         format!("w4a16_gemv_{suffix}")
@@ -541,7 +595,7 @@ fn plan_for(
     let sms = dev.sm_count.max(1) as usize;
     let probe = gemm_plan(sms * 4, m, n, k, gemv_ok);
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
-    let occ = dev.occupancy(f, 128, probe.smem);
+    let occ = dev.occupancy(f, probe.threads as u32, probe.smem);
     let plan = gemm_plan(sms * occ, m, n, k, gemv_ok);
     let f = dev.function(gemm_kernel_name(act, &plan)?)?;
     Ok((plan, f))
@@ -623,7 +677,8 @@ pub unsafe fn w4a16_gemm_awq(
     let dev = dev_of(s)?;
     let (plan, f) = plan_for(dev, act, m, n, k, group_size)?;
     let (splits, k_chunk) = (plan.splits, plan.k_chunk);
-    let block_x = if plan.mt == 0 { 8 * 8 } else { GEMM_BN };
+    let block_x = plan.block_n;
+    let threads = plan.threads as u32;
     let grid = (blocks(n, block_x)?, plan.mblocks as u32, splits as u32);
     let smem = plan.smem as u32;
     let (mut mm, mut nn, mut kk, mut g, mut kc) = (
@@ -642,7 +697,7 @@ pub unsafe fn w4a16_gemm_awq(
         let (mut out, mut split_out) = (y, 0i32);
         let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
         // SAFETY: parameter list matches w4a16_awq_<dt>_m<MT>.
-        return unsafe { launch(dev, f, grid, (128, 1, 1), smem, s.handle, &mut p) };
+        return unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) };
     }
     let need = splits * m * n * 4;
     let stream = s.handle as sys::CUstream;
@@ -668,7 +723,7 @@ pub unsafe fn w4a16_gemm_awq(
         let (mut out, mut split_out) = (ws, 1i32);
         let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
         // SAFETY: as above; ws holds splits·M·N floats.
-        unsafe { launch(dev, f, grid, (128, 1, 1), smem, s.handle, &mut p)? };
+        unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p)? };
         let fr = dev.function(if act == DType::F16 {
             "w4a16_reduce_f16"
         } else {

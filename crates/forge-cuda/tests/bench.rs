@@ -109,7 +109,7 @@ fn bench_all() {
         let sc = DeviceBuf::from_slice(0, &scales).unwrap();
         let wbytes = (k * n / 2 + k / g * n / 8 * 4 + k / g * n * 2) as f64;
         for act in [DType::F16, DType::Bf16] {
-            for m in [1usize, 16, 128] {
+            for m in [1usize, 4, 16, 128] {
                 let xs: Vec<u16> = (0..m * k)
                     .map(|_| half::f16::from_f32(r.f()).to_bits())
                     .collect();

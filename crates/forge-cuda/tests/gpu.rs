@@ -436,7 +436,7 @@ fn w4a16_gemm_matches_cpu() {
     }
     let mut seed = 31;
     for act in [DType::F16, DType::Bf16] {
-        for m in [1usize, 3, 16, 17, 40, 128] {
+        for m in [1usize, 2, 3, 4, 16, 17, 40, 128] {
             for (k, n, g) in [
                 (512usize, 256usize, 128usize),
                 (256, 96, 32),

@@ -124,7 +124,7 @@ fn patterns(py: Python<'_>, option: &str, v: Vec<String>) -> PyResult<Vec<Patter
 #[pyfunction]
 #[pyo3(signature = (model_dir, out_dir, *, method = "rtn", group_size = 128, symmetric = false,
     exclude = Vec::new(), include = Vec::new(), default_excludes = true, skip_unpackable = false,
-    max_shard_size = "5GB".to_string(), resume = false, overwrite = false, threads = None,
+    max_shard_size = "5GB".to_string(), resume = false, overwrite = false, threads = None, device = "cpu".to_string(),
     progress = true, mse_grid = 100, mse_shrink = 0.2, mse_norm = 2.4))]
 #[allow(clippy::too_many_arguments)]
 pub fn quantize_model(
@@ -142,6 +142,7 @@ pub fn quantize_model(
     resume: bool,
     overwrite: bool,
     threads: Option<usize>,
+    device: String,
     progress: bool,
     mse_grid: usize,
     mse_shrink: f32,
@@ -182,6 +183,7 @@ pub fn quantize_model(
         resume,
         overwrite,
         threads,
+        cuda_device: forge_run::cli::parse_device(&device).map_err(|e| run_err(py, e))?,
     };
     let prog = PyProgress {
         bar: progress.then(|| forge_run::cli::BarProgress::new(true)),

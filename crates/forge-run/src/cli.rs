@@ -93,6 +93,9 @@ enum Command {
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// Where to quantize: `cpu` (default), `cuda` or `cuda:N` (same output bytes).
+        #[arg(long, default_value = "cpu")]
+        device: String,
         /// No progress bar.
         #[arg(long)]
         no_progress: bool,
@@ -256,6 +259,7 @@ fn run_cli(cli: Cli) -> Result<()> {
             resume,
             overwrite,
             threads,
+            device,
             no_progress,
             json,
         } => {
@@ -286,6 +290,7 @@ fn run_cli(cli: Cli) -> Result<()> {
                 resume,
                 overwrite,
                 threads,
+                cuda_device: parse_device(&device)?,
             };
             let bar = BarProgress::new(!no_progress);
             let report = crate::run::quantize(&model_dir, &out_dir, &opts, &bar)?;
@@ -390,5 +395,23 @@ where
             eprintln!("forge-rs: internal error (panic); please report it");
             1
         }
+    }
+}
+
+/// `cpu` → `None`, `cuda` → `Some(0)`, `cuda:N` → `Some(N)`.
+pub fn parse_device(s: &str) -> Result<Option<usize>> {
+    match s {
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(0)),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(Some)
+            .ok_or_else(|| {
+                Error::options(
+                    "--device",
+                    format!("expected cpu, cuda or cuda:N, got {s:?}"),
+                )
+            }),
     }
 }

@@ -33,5 +33,7 @@ pub mod verify;
 
 pub use error::{Error, Result};
 pub use plan::QuantOptions;
+pub mod cuda_quantizer;
+pub use cuda_quantizer::CudaRtnQuantizer;
 pub use quantizer::{LayerJob, LinearJob, LinearQuantizer, RtnQuantizer, Sink};
 pub use run::{quantize, quantize_with, NoProgress, Progress, RunOptions, RunReport};

@@ -42,6 +42,8 @@ pub struct RunOptions {
     pub overwrite: bool,
     /// Worker threads (`None`: all cores).
     pub threads: Option<usize>,
+    /// Quantize on this CUDA device instead of the CPU (same output bytes).
+    pub cuda_device: Option<usize>,
 }
 
 /// Receives progress events. All methods have no-op defaults.
@@ -121,10 +123,18 @@ pub fn quantize(
     opts: &RunOptions,
     progress: &dyn Progress,
 ) -> Result<RunReport> {
-    let q = RtnQuantizer {
-        mode: opts.quant.grid,
-    };
-    quantize_with(model_dir, out_dir, opts, &q, progress)
+    match opts.cuda_device {
+        Some(dev) => {
+            let q = crate::CudaRtnQuantizer::new(opts.quant.grid, dev)?;
+            quantize_with(model_dir, out_dir, opts, &q, progress)
+        }
+        None => {
+            let q = RtnQuantizer {
+                mode: opts.quant.grid,
+            };
+            quantize_with(model_dir, out_dir, opts, &q, progress)
+        }
+    }
 }
 
 /// Quantizes with any [`LinearQuantizer`], on a pool of `opts.threads`.
