@@ -764,8 +764,8 @@ __device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, cons
     }
 }
 
-#define FORGE_GEMV3_ENTRY(dt, MR, WPL, BF)                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * GV3_WARPS) w4a16_gemv3_##dt##_r##MR(                  \
+#define FORGE_GEMV3_ENTRY(SUF, MR, WPL, BF)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * GV3_WARPS) w4a16_gemv3_##SUF##_r##MR(                  \
         const u16* x, const u32* qw, const u32* qz, const u16* sc, void* out, int M, int N, int K, int gshift, \
         int k_chunk, int split_out) {                                                                         \
         w4a16_gemv3_impl<MR, WPL, BF>(x, qw, qz, sc, out, M, N, K, gshift, k_chunk, split_out);              \

@@ -87,9 +87,27 @@ impl Element for F8E4M3 {
 /// Returns the index and value of the first non-finite element, if any.
 pub fn first_non_finite<T: Element>(x: &[T]) -> Option<(usize, f32)> {
     use rayon::prelude::*;
-    x.par_iter()
-        .position_first(|v| !v.to_f32().is_finite())
-        .map(|i| (i, x[i].to_f32()))
+    const CHUNK: usize = 1 << 14;
+    // Chunks are scanned with a branch-free test (vectorised); only a failing chunk is
+    // searched for the first offending index.
+    let bad_chunk = x
+        .par_chunks(CHUNK)
+        .position_first(|c| !chunk_all_finite(c))?;
+    let start = bad_chunk * CHUNK;
+    x[start..]
+        .iter()
+        .position(|v| !v.to_f32().is_finite())
+        .map(|i| (start + i, x[start + i].to_f32()))
+}
+
+#[multiversion::multiversion(targets("x86_64+avx2+fma", "x86_64+sse4.1"))]
+fn chunk_all_finite<T: Element>(c: &[T]) -> bool {
+    // v * 0 == 0 exactly for finite v, NaN for ±inf and NaN
+    let mut ok = true;
+    for v in c {
+        ok &= v.to_f32() * 0.0 == 0.0;
+    }
+    ok
 }
 
 /// Errors with [`crate::Error::NonFinite`] if `x` holds NaN or infinity.
