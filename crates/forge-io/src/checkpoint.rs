@@ -236,6 +236,31 @@ impl Checkpoint {
         })
     }
 
+    /// Drops the named tensors' pages from this process's resident set; they are re-read
+    /// from the file if touched again. A streaming run calls it after each layer so that
+    /// resident memory stays at about one layer even though every shard is mapped.
+    /// Unknown names are ignored; so is a failing `madvise` (it is only a hint here).
+    pub fn release<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        for name in names {
+            let Some(&i) = self.by_name.get(name) else {
+                continue;
+            };
+            let s = &self.slots[i];
+            if s.range.is_empty() {
+                continue;
+            }
+            // SAFETY: the map is read-only and file-backed: MADV_DONTNEED only drops pages,
+            // which the kernel re-reads from the file on the next access (same bytes).
+            let _ = unsafe {
+                self.shards[s.shard].mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    s.range.start,
+                    s.range.len(),
+                )
+            };
+        }
+    }
+
     fn view(&self, i: usize) -> TensorView<'_> {
         let s = &self.slots[i];
         let shard = &self.shards[s.shard];

@@ -491,6 +491,8 @@ fn run(
             continue;
         }
         process_unit(&ckpt, u, &writer, quantizer, spec)?;
+        // Keep resident memory at about one layer: drop this unit's source pages.
+        ckpt.release(u.tensors.iter().map(|(name, _)| name.as_str()));
         // Durable before it is recorded.
         let files: BTreeSet<&str> = u
             .outputs
