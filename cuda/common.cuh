@@ -193,6 +193,17 @@ __device__ __forceinline__ float exp2_poly(float y) {
 
 __device__ __forceinline__ float pow_p(float a, float p) { return a == 0.0f ? 0.0f : exp2_poly(p * log2_poly(a)); }
 
+// ---- register-blocked GEMM micro-tile ------------------------------------------------------
+// acc[p][q] += a[p]·b[q] as one fused multiply-add each: the modules are compiled with
+// --fmad=false (the bit-exact grid kernels need it), which would split `acc + a*b` in two.
+// The product is commutative inside the fma, so a symmetric accumulation stays symmetric.
+__device__ __forceinline__ void fma_outer4x4(float (&acc)[4][4], const float (&a)[4], const float (&b)[4]) {
+#pragma unroll
+    for (int p = 0; p < 4; p++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[p][q] = fmaf(a[p], b[q], acc[p][q]);
+}
+
 // ---- misc ------------------------------------------------------------------------------
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;

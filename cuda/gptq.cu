@@ -6,7 +6,7 @@
 // gptq_block_f32: the in-block column loop for block [i1, i1 + bsz). One thread per column r
 //   (columns are independent inside a block); its block rows live in shared memory, the U
 //   scalars of row j are read by lane 0.. of each warp and broadcast with __shfl_sync.
-// gptq_trail_f32: W[i2:, :] -= U[i1:i2, i2:]ᵀ · Err, a batched 64×64-tiled fp32 GEMM.
+// gptq_trail128_f32: W[i2:, :] -= U[i1:i2, i2:]ᵀ · Err, a batched register-blocked fp32 GEMM.
 
 #define GQ_THREADS 64
 #define GQ_BMAX 128
@@ -92,68 +92,7 @@ extern "C" __global__ void __launch_bounds__(GQ_THREADS) gptq_block_f32(
     }
 }
 
-#define GT_T 64
-#define GT_K 16
-
-extern "C" __global__ void __launch_bounds__(256) gptq_trail_f32(float* W, const float* U, const float* err,
-                                                                 const int* perm, int C, int R, int i1, int bsz) {
-    __shared__ float As[GT_K][GT_T + 4];  // As[b][i] = U[i1 + b][i2 + i]
-    __shared__ float Bs[GT_K][GT_T + 4];  // Bs[b][r] = err[b][r]
-    const int e = blockIdx.z;
-    const int i2 = i1 + bsz;
-    W += (i64)e * C * R;
-    U += (i64)e * C * C;
-    err += (i64)e * GQ_BMAX * R;
-    if (perm) perm += (i64)e * C;
-    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
-    const int ib = i2 + blockIdx.y * GT_T;  // output rows (processing positions)
-    const int rb = blockIdx.x * GT_T;
-    float acc[4][4];
-#pragma unroll
-    for (int a = 0; a < 4; a++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) acc[a][c] = 0.0f;
-    for (int b0 = 0; b0 < bsz; b0 += GT_K) {
-#pragma unroll
-        for (int it = 0; it < 4; it++) {
-            int l = tid + 256 * it;
-            int bb = l >> 6, cc = l & 63;
-            int b = b0 + bb;
-            float ua = 0.0f, eb = 0.0f;
-            if (b < bsz) {
-                if (ib + cc < C) ua = U[(i64)(i1 + b) * C + ib + cc];
-                if (rb + cc < R) eb = err[(i64)b * R + rb + cc];
-            }
-            As[bb][cc] = ua;
-            Bs[bb][cc] = eb;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < GT_K; kk++) {
-            float a[4], c[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++) { a[q] = As[kk][ty * 4 + q]; c[q] = Bs[kk][tx * 4 + q]; }
-#pragma unroll
-            for (int p = 0; p < 4; p++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) acc[p][q] = acc[p][q] + a[p] * c[q];
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int p = 0; p < 4; p++) {
-        const int i = ib + ty * 4 + p;
-        if (i >= C) continue;
-        const i64 row = perm ? (i64)perm[i] : (i64)i;
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int r = rb + tx * 4 + q;
-            if (r < R) W[row * R + r] = W[row * R + r] - acc[p][q];
-        }
-    }
-}
-
-// gptq_trail128_f32: the same update as gptq_trail_f32, register-blocked: 128×128 output tile
+// gptq_trail128_f32: the trailing update, register-blocked: 128×128 output tile
 // per 256-thread block, 8×8 outputs per thread (rows ty·4+{0..3}, 64+ty·4+{0..3}; columns
 // tx·4+{0..3}, 64+tx·4+{0..3}), BK = 8, shared memory double-buffered with one barrier per
 // k step, explicit fmaf (fp32, no TF32; the module is compiled with --fmad=false).

@@ -48,10 +48,7 @@ __device__ __forceinline__ void hessian_impl(const void* x, float* H, const int*
             float a[4], c[4];
 #pragma unroll
             for (int q = 0; q < 4; q++) { a[q] = Xi[kk][ty * 4 + q]; c[q] = Xj[kk][tx * 4 + q]; }
-#pragma unroll
-            for (int p = 0; p < 4; p++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) acc[p][q] = acc[p][q] + a[p] * c[q];
+            fma_outer4x4(acc, a, c);
         }
         __syncthreads();
     }

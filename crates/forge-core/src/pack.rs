@@ -225,6 +225,20 @@ pub fn quantize_pack_awq<T: Element>(
     })
 }
 
+/// Shape checks shared by the unpackers (the GPTQ v1 layout also packs K by 8).
+fn check_unpack_shape(k: usize, n: usize, group_size: usize, gptq_layout: bool) -> Result<()> {
+    let spec = GridSpec {
+        bits: 4,
+        group_size,
+        symmetric: false,
+    };
+    check_pack_shape(k, n, &spec)?;
+    if gptq_layout && !k.is_multiple_of(8) {
+        return Err(Error::shape("in_features", "a multiple of 8", k));
+    }
+    Ok(())
+}
+
 /// Unpacks an AWQ layer: returns `(codes K × N, zeros K/G × N)`.
 pub fn unpack_awq(
     qweight: &[i32],
@@ -233,12 +247,7 @@ pub fn unpack_awq(
     n: usize,
     group_size: usize,
 ) -> Result<(Vec<u8>, Vec<u8>)> {
-    let spec = GridSpec {
-        bits: 4,
-        group_size,
-        symmetric: false,
-    };
-    check_pack_shape(k, n, &spec)?;
+    check_unpack_shape(k, n, group_size, false)?;
     check_len("qweight", qweight.len(), k, n / 8)?;
     check_len("qzeros", qzeros.len(), k / group_size, n / 8)?;
     Ok((
@@ -311,15 +320,7 @@ pub fn unpack_gptq(
     n: usize,
     group_size: usize,
 ) -> Result<(Vec<u8>, Vec<u8>)> {
-    let spec = GridSpec {
-        bits: 4,
-        group_size,
-        symmetric: false,
-    };
-    check_pack_shape(k, n, &spec)?;
-    if !k.is_multiple_of(8) {
-        return Err(Error::shape("in_features", "a multiple of 8", k));
-    }
+    check_unpack_shape(k, n, group_size, true)?;
     check_len("qweight", qweight.len(), k / 8, n)?;
     let ng = k / group_size;
     check_len("qzeros", qzeros.len(), ng, n / 8)?;

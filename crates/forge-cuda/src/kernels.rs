@@ -99,7 +99,7 @@ impl Module {
                 "hessian_accum_f16",
                 "hessian_accum_bf16",
             ],
-            Module::Gptq => &["gptq_block_f32", "gptq_trail_f32", "gptq_trail128_f32"],
+            Module::Gptq => &["gptq_block_f32", "gptq_trail128_f32"],
         }
     }
 }

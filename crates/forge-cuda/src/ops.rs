@@ -883,14 +883,7 @@ pub unsafe fn gptq_solve(
     }
     let dev = dev_of(s)?;
     let fb = dev.function("gptq_block_f32")?;
-    // FORGE_GPTQ_TRAIL=64: the older 64×64 SIMT trailing kernel; =none: skip the trailing
-    // update (wrong results; only to time the in-block kernel). Default: 128×128 tiles.
-    let trail = std::env::var("FORGE_GPTQ_TRAIL").unwrap_or_default();
-    let (ft, tile) = match trail.as_str() {
-        "64" => (Some(dev.function("gptq_trail_f32")?), 64),
-        "none" => (None, 128),
-        _ => (Some(dev.function("gptq_trail128_f32")?), 128),
-    };
+    let ft = dev.function("gptq_trail128_f32")?;
     let vec_base =
         [u, err_ws, w].iter().all(|&p| p % 16 == 0) && c.is_multiple_of(4) && r.is_multiple_of(4);
     let ee = to_i32("experts", experts)? as u32;
@@ -921,20 +914,14 @@ pub unsafe fn gptq_solve(
             )?
         };
         let i2 = i1 + bsz;
-        if let (true, Some(ft)) = (i2 < c, ft) {
+        if i2 < c {
             let (mut pw, mut pu, mut pe, mut pp) = (w, u, err_ws, perm);
             let (mut cc, mut rr, mut ii, mut bb) = (ci, ri, i1 as i32, bsz as i32);
             let mut vec = (vec_base && i2.is_multiple_of(4)) as i32;
-            let grid = (blocks(r, tile)?, blocks(c - i2, tile)?, ee);
-            if tile == 64 {
-                let mut p = args!(pw, pu, pe, pp, cc, rr, ii, bb);
-                // SAFETY: parameter list matches gptq_trail_f32.
-                unsafe { launch(dev, ft, grid, (256, 1, 1), 0, s.handle, &mut p)? };
-            } else {
-                let mut p = args!(pw, pu, pe, pp, cc, rr, ii, bb, vec);
-                // SAFETY: parameter list matches gptq_trail128_f32.
-                unsafe { launch(dev, ft, grid, (256, 1, 1), 0, s.handle, &mut p)? };
-            }
+            let grid = (blocks(r, 128)?, blocks(c - i2, 128)?, ee);
+            let mut p = args!(pw, pu, pe, pp, cc, rr, ii, bb, vec);
+            // SAFETY: parameter list matches gptq_trail128_f32.
+            unsafe { launch(dev, ft, grid, (256, 1, 1), 0, s.handle, &mut p)? };
         }
         i1 = i2;
     }

@@ -284,9 +284,7 @@ fn bench_all() {
 }
 
 /// Batched GPTQ at the anchor shapes (anchors.md: torch.bmm reference 28.5 ms per matrix for
-/// 48 experts of N=2048, K=7168 and 13 ms per matrix for 64 experts of N=7168, K=2048), with
-/// the trailing kernel selected by FORGE_GPTQ_TRAIL (64 = old, default = 128×128 tiles,
-/// none = in-block kernel only).
+/// 48 experts of N=2048, K=7168 and 13 ms per matrix for 64 experts of N=7168, K=2048).
 fn bench_gptq_batched() {
     for (e, c, rr) in [(48usize, 7168usize, 2048usize), (64, 2048, 7168)] {
         let mut r = Lcg(9);
@@ -333,8 +331,7 @@ fn bench_gptq_batched() {
         }
         let dc = DeviceBuf::zeroed(0, e * c * rr).unwrap();
         let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, rr)).unwrap();
-        for trail in ["64", "128", "none"] {
-            std::env::set_var("FORGE_GPTQ_TRAIL", trail);
+        {
             let ms = time_ms(0, 0, 1, 2, || unsafe {
                 ops::gptq_solve(
                     dw.ptr(),
@@ -354,12 +351,11 @@ fn bench_gptq_batched() {
             .unwrap();
             let tf = (e * rr * c * c) as f64 / (ms as f64 * 1e-3) / 1e12;
             println!(
-                "BENCH gptq_solve trail={trail:<4} {e} experts of C={c} R={rr}: {:.1} ms ({:.3} ms per matrix, {:.1} TFLOP/s counting R*C^2)",
+                "BENCH gptq_solve {e} experts of C={c} R={rr}: {:.1} ms ({:.3} ms per matrix, {:.1} TFLOP/s counting R*C^2)",
                 ms,
                 ms / e as f32,
                 tf
             );
         }
-        std::env::remove_var("FORGE_GPTQ_TRAIL");
     }
 }
