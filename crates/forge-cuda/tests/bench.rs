@@ -331,31 +331,29 @@ fn bench_gptq_batched() {
         }
         let dc = DeviceBuf::zeroed(0, e * c * rr).unwrap();
         let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, rr)).unwrap();
-        {
-            let ms = time_ms(0, 0, 1, 2, || unsafe {
-                ops::gptq_solve(
-                    dw.ptr(),
-                    du.ptr(),
-                    dq.ptr(),
-                    0,
-                    dc.ptr(),
-                    de.ptr(),
-                    e,
-                    c,
-                    rr,
-                    &spec,
-                    128,
-                    S,
-                )
-            })
-            .unwrap();
-            let tf = (e * rr * c * c) as f64 / (ms as f64 * 1e-3) / 1e12;
-            println!(
-                "BENCH gptq_solve {e} experts of C={c} R={rr}: {:.1} ms ({:.3} ms per matrix, {:.1} TFLOP/s counting R*C^2)",
-                ms,
-                ms / e as f32,
-                tf
-            );
-        }
+        let ms = time_ms(0, 0, 1, 2, || unsafe {
+            ops::gptq_solve(
+                dw.ptr(),
+                du.ptr(),
+                dq.ptr(),
+                0,
+                dc.ptr(),
+                de.ptr(),
+                e,
+                c,
+                rr,
+                &spec,
+                128,
+                S,
+            )
+        })
+        .unwrap();
+        let tf = (e * rr * c * c) as f64 / (ms as f64 * 1e-3) / 1e12;
+        println!(
+            "BENCH gptq_solve {e} experts of C={c} R={rr}: {:.1} ms ({:.3} ms per matrix, {:.1} TFLOP/s counting R*C^2)",
+            ms,
+            ms / e as f32,
+            tf
+        );
     }
 }
