@@ -11,14 +11,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use forge_core::grid::GridMode;
-use forge_core::MseSpec;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::arch::Pattern;
 use crate::inspect::human_bytes;
-use crate::plan::QuantOptions;
-use crate::run::{Progress, RunOptions};
+use crate::run::Progress;
 use crate::{Error, Result};
 
 #[derive(Parser, Debug)]
@@ -40,35 +37,47 @@ enum Grid {
     Mse,
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum MethodArg {
+    /// round to nearest (data-free)
+    Rtn,
+    /// GPTQ with calibration data
+    Gptq,
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Quantize MODEL_DIR into OUT_DIR (AWQ "gemm", 4 bits).
+    /// Quantize MODEL_DIR into OUT_DIR (AWQ "gemm", 4 bits). Absent flags take
+    /// the defaults of `forge.default_options()` (defined once, in the run's options).
     Quantize {
         /// Source checkpoint folder (safetensors, bf16/fp16/fp32 or DeepSeek FP8).
         model_dir: PathBuf,
         /// Output folder (created; must be empty unless --overwrite or --resume).
         out_dir: PathBuf,
-        /// Group size along the input dimension (32, 64, 128).
-        #[arg(long, default_value_t = 128)]
-        group_size: usize,
+        /// `rtn` (data-free, default) or `gptq` (calibrated; needs the Python package).
+        #[arg(long, value_enum)]
+        method: Option<MethodArg>,
+        /// Group size along the input dimension (32, 64, 128; default 128).
+        #[arg(long)]
+        group_size: Option<usize>,
         /// Symmetric grid (zero point 8).
         #[arg(long, conflicts_with = "asym")]
         sym: bool,
         /// Asymmetric grid (the default).
         #[arg(long)]
         asym: bool,
-        /// How to choose scales.
-        #[arg(long, value_enum, default_value_t = Grid::Range)]
-        grid: Grid,
+        /// How to choose scales (default range).
+        #[arg(long, value_enum)]
+        grid: Option<Grid>,
         /// MSE grid: number of candidate scales.
-        #[arg(long, default_value_t = 100)]
-        mse_grid: usize,
+        #[arg(long)]
+        mse_grid: Option<usize>,
         /// MSE grid: candidates span [1 - s, 1 + s] times the range scale.
-        #[arg(long, default_value_t = 0.2)]
-        mse_shrink: f32,
+        #[arg(long)]
+        mse_shrink: Option<f32>,
         /// MSE grid: exponent p of the loss Σ|e|^p.
-        #[arg(long, default_value_t = 2.4)]
-        mse_norm: f32,
+        #[arg(long)]
+        mse_norm: Option<f32>,
         /// Leave matching linears unquantized (dotted segments like `kv_b_proj`, `self_attn`, or a glob with `*`). Repeatable.
         #[arg(long, value_name = "PATTERN")]
         exclude: Vec<String>,
@@ -82,8 +91,50 @@ enum Command {
         #[arg(long)]
         skip_unpackable: bool,
         /// Maximum tensor bytes per output shard (`5GB`, `500MB`, `2GiB`, bytes).
-        #[arg(long, default_value = "5GB")]
-        max_shard_size: String,
+        #[arg(long)]
+        max_shard_size: Option<String>,
+        /// GPTQ: calibration file (plain text, .jsonl with a "text" field, or token ids).
+        #[arg(long)]
+        calib: Option<PathBuf>,
+        /// GPTQ: calibration windows (default 128).
+        #[arg(long)]
+        nsamples: Option<usize>,
+        /// GPTQ: tokens per window (default 512).
+        #[arg(long)]
+        seqlen: Option<usize>,
+        /// GPTQ: seed of the window sampling.
+        #[arg(long)]
+        seed: Option<u64>,
+        /// GPTQ: relative damping (default 0.01).
+        #[arg(long)]
+        damp: Option<f32>,
+        /// GPTQ: process inputs in activation order (static groups).
+        #[arg(long)]
+        act_order: bool,
+        /// GPTQ: columns per lazy-update block (default 128).
+        #[arg(long)]
+        block_size: Option<usize>,
+        /// GPTQ: solve a layer's linears all from the unquantized layer's inputs.
+        #[arg(long)]
+        no_true_sequential: bool,
+        /// GPTQ: `full` (default) or `block` (block-diagonal) Hessians.
+        #[arg(long)]
+        hessian: Option<String>,
+        /// GPTQ: experts with too few tokens: `pooled` (default) or `rtn`.
+        #[arg(long)]
+        few_tokens: Option<String>,
+        /// GPTQ: routed-token count under which an expert takes the fallback (default K/8).
+        #[arg(long)]
+        few_tokens_threshold: Option<usize>,
+        /// GPTQ: tokens per forward chunk.
+        #[arg(long)]
+        chunk_tokens: Option<usize>,
+        /// GPTQ: where activations live: auto, gpu, cpu, disk.
+        #[arg(long)]
+        activations: Option<String>,
+        /// GPTQ: folder for activations on disk.
+        #[arg(long)]
+        offload_dir: Option<PathBuf>,
         /// Continue an interrupted run in OUT_DIR.
         #[arg(long)]
         resume: bool,
@@ -93,9 +144,9 @@ enum Command {
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
-        /// Where to quantize: `cpu` (default), `cuda` or `cuda:N` (same output bytes).
-        #[arg(long, default_value = "cpu")]
-        device: String,
+        /// Where to quantize: `cpu` (default), `cuda` or `cuda:N`.
+        #[arg(long)]
+        device: Option<String>,
         /// No progress bar.
         #[arg(long)]
         no_progress: bool,
@@ -239,11 +290,64 @@ impl Drop for BarProgress {
     }
 }
 
-fn run_cli(cli: Cli) -> Result<()> {
+/// What the command line asks of its caller.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Done; exit with this code.
+    Exit(i32),
+    /// A calibrated run: the caller (the Python package) runs it with these
+    /// options, then reports like `quantize` does.
+    Calibrate {
+        /// Source folder.
+        model_dir: PathBuf,
+        /// Output folder.
+        out_dir: PathBuf,
+        /// The options as JSON (validated).
+        options: serde_json::Value,
+        /// Print the report as JSON.
+        json: bool,
+    },
+}
+
+fn print_report(report: &crate::RunReport, json: bool) {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report.to_json()).unwrap_or_default()
+        );
+        return;
+    }
+    eprintln!(
+        "quantized {} linears ({} family, {}) in {:.1}s: {} -> {} in {} shard(s){}",
+        report.quantized,
+        report.arch,
+        report.quantizer,
+        report.seconds,
+        human_bytes(report.bytes_in),
+        human_bytes(report.bytes_out),
+        report.shards,
+        if report.resumed_units > 0 {
+            format!(
+                ", {} of {} units resumed",
+                report.resumed_units, report.units
+            )
+        } else {
+            String::new()
+        }
+    );
+    eprintln!(
+        "{} modules left unquantized (modules_to_not_convert); output: {}",
+        report.not_convert.len(),
+        report.out_dir.display()
+    );
+}
+
+fn run_cli(cli: Cli) -> Result<Outcome> {
     match cli.command {
         Command::Quantize {
             model_dir,
             out_dir,
+            method,
             group_size,
             sym,
             asym: _,
@@ -256,6 +360,20 @@ fn run_cli(cli: Cli) -> Result<()> {
             no_default_excludes,
             skip_unpackable,
             max_shard_size,
+            calib,
+            nsamples,
+            seqlen,
+            seed,
+            damp,
+            act_order,
+            block_size,
+            no_true_sequential,
+            hessian,
+            few_tokens,
+            few_tokens_threshold,
+            chunk_tokens,
+            activations,
+            offload_dir,
             resume,
             overwrite,
             threads,
@@ -263,69 +381,94 @@ fn run_cli(cli: Cli) -> Result<()> {
             no_progress,
             json,
         } => {
-            let grid = match grid {
-                Grid::Range => GridMode::Range,
-                Grid::Mse => {
-                    let m = MseSpec {
-                        max_shrink: mse_shrink,
-                        n_grid: mse_grid,
-                        norm: mse_norm,
-                    };
-                    m.validate()
-                        .map_err(|e| Error::options("--grid mse", e.to_string()))?;
-                    GridMode::Mse(m)
+            // Only what was given: the defaults live in `Options`.
+            let mut m = serde_json::Map::new();
+            let mut put = |k: &str, v: serde_json::Value| {
+                if !v.is_null() {
+                    m.insert(k.into(), v);
                 }
             };
-            let opts = RunOptions {
-                quant: QuantOptions {
-                    group_size,
-                    symmetric: sym,
-                    grid,
-                    include: patterns("--include", &include)?,
-                    exclude: patterns("--exclude", &exclude)?,
-                    default_excludes: !no_default_excludes,
-                    skip_unpackable,
-                    max_shard_bytes: parse_size(&max_shard_size)?,
-                },
-                resume,
-                overwrite,
-                threads,
-                cuda_device: parse_device(&device)?,
-            };
-            let bar = BarProgress::new(!no_progress);
+            use serde_json::json;
+            put(
+                "method",
+                json!(method.map(|x| match x {
+                    MethodArg::Rtn => "rtn",
+                    MethodArg::Gptq => "gptq",
+                })),
+            );
+            put("group_size", json!(group_size));
+            if sym {
+                put("symmetric", json!(true));
+            }
+            put(
+                "grid",
+                json!(grid.map(|g| match g {
+                    Grid::Range => "range",
+                    Grid::Mse => "mse",
+                })),
+            );
+            put("mse_grid", json!(mse_grid));
+            put("mse_shrink", json!(mse_shrink));
+            put("mse_norm", json!(mse_norm));
+            if !exclude.is_empty() {
+                put("exclude", json!(exclude));
+            }
+            if !include.is_empty() {
+                put("include", json!(include));
+            }
+            if no_default_excludes {
+                put("default_excludes", json!(false));
+            }
+            if skip_unpackable {
+                put("skip_unpackable", json!(true));
+            }
+            put("max_shard_size", json!(max_shard_size));
+            put("calib", json!(calib.map(|p| p.display().to_string())));
+            put("nsamples", json!(nsamples));
+            put("seqlen", json!(seqlen));
+            put("seed", json!(seed));
+            put("damp", json!(damp));
+            if act_order {
+                put("act_order", json!(true));
+            }
+            put("block_size", json!(block_size));
+            if no_true_sequential {
+                put("true_sequential", json!(false));
+            }
+            put("hessian", json!(hessian));
+            put("few_tokens", json!(few_tokens));
+            put("few_tokens_threshold", json!(few_tokens_threshold));
+            put("chunk_tokens", json!(chunk_tokens));
+            put("activations", json!(activations));
+            put(
+                "offload_dir",
+                json!(offload_dir.map(|p| p.display().to_string())),
+            );
+            if resume {
+                put("resume", json!(true));
+            }
+            if overwrite {
+                put("overwrite", json!(true));
+            }
+            put("threads", json!(threads));
+            put("device", json!(device));
+            if no_progress {
+                put("progress", json!(false));
+            }
+            let opts = crate::Options::from_json(&serde_json::Value::Object(m))?;
+            if opts.method == crate::options::Method::Gptq {
+                return Ok(Outcome::Calibrate {
+                    model_dir,
+                    out_dir,
+                    options: opts.to_json(),
+                    json,
+                });
+            }
+            let bar = BarProgress::new(opts.progress);
             let report = crate::run::quantize(&model_dir, &out_dir, &opts, &bar)?;
             drop(bar);
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report.to_json()).unwrap_or_default()
-                );
-            } else {
-                eprintln!(
-                    "quantized {} linears ({} family, {}) in {:.1}s: {} -> {} in {} shard(s){}",
-                    report.quantized,
-                    report.arch,
-                    report.quantizer,
-                    report.seconds,
-                    human_bytes(report.bytes_in),
-                    human_bytes(report.bytes_out),
-                    report.shards,
-                    if report.resumed_units > 0 {
-                        format!(
-                            ", {} of {} units resumed",
-                            report.resumed_units, report.units
-                        )
-                    } else {
-                        String::new()
-                    }
-                );
-                eprintln!(
-                    "{} modules left unquantized (modules_to_not_convert); output: {}",
-                    report.not_convert.len(),
-                    out_dir.display()
-                );
-            }
-            Ok(())
+            print_report(&report, json);
+            Ok(Outcome::Exit(0))
         }
         Command::Inspect { dir, json } => {
             let v = crate::inspect::inspect(&dir)?;
@@ -334,7 +477,7 @@ fn run_cli(cli: Cli) -> Result<()> {
             } else {
                 print!("{}", crate::inspect::render(&v));
             }
-            Ok(())
+            Ok(Outcome::Exit(0))
         }
         Command::Verify { dir, json } => {
             let r = crate::verify::check(&dir)?;
@@ -359,7 +502,7 @@ fn run_cli(cli: Cli) -> Result<()> {
                 }
             }
             if r.problems.is_empty() {
-                Ok(())
+                Ok(Outcome::Exit(0))
             } else {
                 Err(Error::Verify {
                     dir,
@@ -370,9 +513,9 @@ fn run_cli(cli: Cli) -> Result<()> {
     }
 }
 
-/// Runs the CLI on `argv` (program name first) and returns the exit code.
-/// Never panics into the caller.
-pub fn main<I, T>(argv: I) -> i32
+/// Runs the CLI on `argv` (program name first) and returns what the caller
+/// must do next. Never panics into the caller.
+pub fn dispatch<I, T>(argv: I) -> Outcome
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
@@ -382,18 +525,50 @@ where
         Err(e) => {
             let code = e.exit_code();
             let _ = e.print();
-            return code;
+            return Outcome::Exit(code);
         }
     };
     match std::panic::catch_unwind(|| run_cli(cli)) {
-        Ok(Ok(())) => 0,
+        Ok(Ok(o)) => o,
         Ok(Err(e)) => {
             eprintln!("forge-rs: error: {e}");
-            1
+            Outcome::Exit(1)
         }
         Err(_) => {
             eprintln!("forge-rs: internal error (panic); please report it");
-            1
+            Outcome::Exit(1)
+        }
+    }
+}
+
+/// Runs the CLI on `argv` and returns the exit code. A calibrated run
+/// (`--method gptq`) is handed to the Python package: `python3 -m forge` with
+/// the same arguments (`FORGE_PYTHON` names another interpreter).
+pub fn main<I, T>(argv: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let args: Vec<OsString> = argv.into_iter().map(Into::into).collect();
+    match dispatch(args.clone()) {
+        Outcome::Exit(c) => c,
+        Outcome::Calibrate { .. } => {
+            let python = std::env::var_os("FORGE_PYTHON").unwrap_or_else(|| "python3".into());
+            let status = std::process::Command::new(&python)
+                .arg("-m")
+                .arg("forge")
+                .args(args.iter().skip(1))
+                .status();
+            match status {
+                Ok(s) => s.code().unwrap_or(1),
+                Err(e) => {
+                    eprintln!(
+                        "forge-rs: error: --method gptq runs in the Python package (pip install 4bit-forge), but {} could not be started: {e}",
+                        std::path::Path::new(&python).display()
+                    );
+                    1
+                }
+            }
         }
     }
 }

@@ -479,16 +479,20 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
             }
             tensors.push((name.to_string(), action));
         }
-        units.push(Unit {
-            label: "non-layer tensors".into(),
-            key: "other".into(),
-            layer: None,
-            mtp: false,
-            tensors,
-            linears: Vec::new(),
-            outputs,
-            bytes_in,
-        });
+        // First: the calibrated run needs the embeddings before any layer.
+        units.insert(
+            0,
+            Unit {
+                label: "non-layer tensors".into(),
+                key: "other".into(),
+                layer: None,
+                mtp: false,
+                tensors,
+                linears: Vec::new(),
+                outputs,
+                bytes_in,
+            },
+        );
     }
 
     // Output specs.

@@ -9,18 +9,18 @@
 //! `--resume` redoes at most the unit that was interrupted and produces the
 //! same bytes as an uninterrupted run.
 
-use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use forge_core::pack::AwqTensors;
-use forge_io::{Checkpoint, ShardPlan, ShardWriter, INDEX_FILE, PARTIAL_SUFFIX};
+use forge_io::{Checkpoint, ShardPlan, INDEX_FILE, PARTIAL_SUFFIX};
 use serde_json::{json, Value};
 
-use crate::plan::{self, Action, QuantOptions, RunPlan, Unit};
+use crate::options::{Method, Options};
+use crate::plan::{QuantOptions, RunPlan};
 use crate::quantizer::{LayerJob, LinearJob, LinearQuantizer, RtnQuantizer};
+use crate::session::Session;
 use crate::{Error, Result};
 
 /// Name of the run manifest inside `OUT_DIR` (removed when the run completes).
@@ -29,22 +29,6 @@ pub const MANIFEST_FILE: &str = "forge-manifest.json";
 pub const ABORT_ENV: &str = "FORGE_TEST_ABORT_AFTER_LAYERS";
 /// Test hook: sleep this many milliseconds after each unit (to kill a run mid-way).
 pub const SLOW_ENV: &str = "FORGE_TEST_UNIT_DELAY_MS";
-const MANIFEST_FORMAT: &str = "4bit-forge run manifest v1";
-
-/// Options of a run that do not change the output bytes, plus the output ones.
-#[derive(Debug, Clone, Default)]
-pub struct RunOptions {
-    /// What to quantize and how.
-    pub quant: QuantOptions,
-    /// Continue an interrupted run recorded in `OUT_DIR`'s manifest.
-    pub resume: bool,
-    /// Replace the files of a non-empty `OUT_DIR`.
-    pub overwrite: bool,
-    /// Worker threads (`None`: all cores).
-    pub threads: Option<usize>,
-    /// Quantize on this CUDA device instead of the CPU (same output bytes).
-    pub cuda_device: Option<usize>,
-}
 
 /// Receives progress events. All methods have no-op defaults.
 pub trait Progress: Sync {
@@ -115,23 +99,29 @@ impl RunReport {
     }
 }
 
-/// Quantizes `model_dir` into `out_dir` with round to nearest on the grid of
-/// `opts.quant.grid`.
+/// Quantizes `model_dir` into `out_dir` data-free (round to nearest on the
+/// grid of `opts.grid`), on the CPU or `opts.device`.
 pub fn quantize(
     model_dir: &Path,
     out_dir: &Path,
-    opts: &RunOptions,
+    opts: &Options,
     progress: &dyn Progress,
 ) -> Result<RunReport> {
-    match opts.cuda_device {
+    opts.validate()?;
+    if opts.method != Method::Rtn {
+        return Err(Error::options(
+            "method",
+            "the native run is data-free (rtn); method gptq runs the calibration forward in Python: use forge.quantize_model or `forge-rs quantize --method gptq` with the Python package installed",
+        ));
+    }
+    let grid = opts.grid_mode()?;
+    match opts.cuda_device()? {
         Some(dev) => {
-            let q = crate::CudaRtnQuantizer::new(opts.quant.grid, dev)?;
+            let q = crate::CudaRtnQuantizer::new(grid, dev)?;
             quantize_with(model_dir, out_dir, opts, &q, progress)
         }
         None => {
-            let q = RtnQuantizer {
-                mode: opts.quant.grid,
-            };
+            let q = RtnQuantizer { mode: grid };
             quantize_with(model_dir, out_dir, opts, &q, progress)
         }
     }
@@ -141,12 +131,12 @@ pub fn quantize(
 pub fn quantize_with(
     model_dir: &Path,
     out_dir: &Path,
-    opts: &RunOptions,
+    opts: &Options,
     quantizer: &dyn LinearQuantizer,
     progress: &dyn Progress,
 ) -> Result<RunReport> {
+    opts.validate()?;
     match opts.threads {
-        Some(0) => Err(Error::options("threads", "must be at least 1")),
         Some(n) => rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build()
@@ -164,9 +154,9 @@ pub(crate) fn fnv(bytes: &[u8], mut h: u64) -> u64 {
     }
     h
 }
-const FNV0: u64 = 0xcbf2_9ce4_8422_2325;
+pub(crate) const FNV0: u64 = 0xcbf2_9ce4_8422_2325;
 
-fn source_fingerprint(ckpt: &Checkpoint) -> Result<Value> {
+pub(crate) fn source_fingerprint(ckpt: &Checkpoint) -> Result<Value> {
     let mut files = Vec::new();
     for path in ckpt.files() {
         let mut f = File::open(path).map_err(Error::io("open", path))?;
@@ -192,7 +182,7 @@ fn source_fingerprint(ckpt: &Checkpoint) -> Result<Value> {
     Ok(json!({"files": files, "config_fnv": cfg_fnv}))
 }
 
-fn plan_fingerprint(plan: &RunPlan, shard_plan: &ShardPlan) -> String {
+pub(crate) fn plan_fingerprint(plan: &RunPlan, shard_plan: &ShardPlan) -> String {
     let mut h = fnv(shard_plan.index_json().as_bytes(), FNV0);
     for m in &plan.not_convert {
         h = fnv(m.as_bytes(), h);
@@ -226,15 +216,19 @@ fn dir_entries(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// State of `OUT_DIR` before the run.
-enum Start {
+pub(crate) enum Start {
     Fresh,
-    Resume(Vec<String>),
+    Resume {
+        done: Vec<String>,
+        state: Option<(String, String)>,
+    },
 }
 
-fn prepare_out_dir(
+pub(crate) fn prepare_out_dir(
     model_dir: &Path,
     out_dir: &Path,
-    opts: &RunOptions,
+    resume: bool,
+    overwrite: bool,
     manifest_base: &Value,
 ) -> Result<Start> {
     let err = |reason: &str| Error::OutDir {
@@ -255,7 +249,7 @@ fn prepare_out_dir(
         return Ok(Start::Fresh);
     }
     let manifest_path = out_dir.join(MANIFEST_FILE);
-    if opts.resume && !opts.overwrite {
+    if resume && !overwrite {
         let text = match std::fs::read_to_string(&manifest_path) {
             Ok(t) => t,
             Err(_) => {
@@ -281,6 +275,7 @@ fn prepare_out_dir(
             "version",
             "quantizer",
             "options",
+            "calibration",
             "source",
             "plan",
         ] {
@@ -305,9 +300,15 @@ fn prepare_out_dir(
                     .collect()
             })
             .unwrap_or_default();
-        return Ok(Start::Resume(done));
+        let state = m.get("state").and_then(|s| {
+            Some((
+                s.get("unit")?.as_str()?.to_owned(),
+                s.get("file")?.as_str()?.to_owned(),
+            ))
+        });
+        return Ok(Start::Resume { done, state });
     }
-    if !opts.overwrite {
+    if !overwrite {
         return Err(err("is not empty; pass --overwrite to replace its files, or --resume to continue an interrupted run"));
     }
     for p in entries {
@@ -332,7 +333,7 @@ fn short(v: Option<&Value>) -> String {
     }
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = PathBuf::from(format!("{}{PARTIAL_SUFFIX}", path.display()));
     {
         let mut f = File::create(&tmp).map_err(Error::io("create", &tmp))?;
@@ -375,7 +376,11 @@ fn is_weight_file(name: &str) -> bool {
     EXT.iter().any(|e| name.ends_with(e)) || name.ends_with(PARTIAL_SUFFIX)
 }
 
-fn copy_side_files(model_dir: &Path, out_dir: &Path, notes: &mut Vec<String>) -> Result<()> {
+pub(crate) fn copy_side_files(
+    model_dir: &Path,
+    out_dir: &Path,
+    notes: &mut Vec<String>,
+) -> Result<()> {
     let mut names: Vec<PathBuf> = dir_entries(model_dir)?;
     names.sort();
     for src in names {
@@ -405,112 +410,34 @@ fn copy_side_files(model_dir: &Path, out_dir: &Path, notes: &mut Vec<String>) ->
 fn run(
     model_dir: &Path,
     out_dir: &Path,
-    opts: &RunOptions,
+    opts: &Options,
     quantizer: &dyn LinearQuantizer,
     progress: &dyn Progress,
 ) -> Result<RunReport> {
-    let t0 = Instant::now();
-    let ckpt = Checkpoint::open(model_dir)?;
-    let config = plan::read_config(model_dir)?;
-    let plan = plan::build(&ckpt, &config, &opts.quant)?;
-    let shard_plan = ShardPlan::new(plan.specs.iter().cloned(), opts.quant.max_shard_bytes)?;
-    let mut notes = plan.notes.clone();
-    for n in &notes {
+    let mut session = Session::open(model_dir, out_dir, opts)?;
+    for n in &session.plan().notes {
         progress.note(n);
     }
-
-    let manifest_base = json!({
-        "format": MANIFEST_FORMAT,
-        "version": env!("CARGO_PKG_VERSION"),
-        "quantizer": quantizer.name(),
-        "options": opts.quant.to_json(),
-        "source": source_fingerprint(&ckpt)?,
-        "plan": plan_fingerprint(&plan, &shard_plan),
-    });
-    let start = prepare_out_dir(model_dir, out_dir, opts, &manifest_base)?;
-    let (writer, mut done): (ShardWriter, BTreeSet<String>) = match start {
-        Start::Fresh => (
-            ShardWriter::create(out_dir, shard_plan, &Default::default())?,
-            BTreeSet::new(),
-        ),
-        Start::Resume(done) => (
-            ShardWriter::create_or_reopen(out_dir, shard_plan, &Default::default())?,
-            done.into_iter().collect(),
-        ),
-    };
-    let file_of: HashMap<&str, &str> = writer
-        .plan()
-        .shards()
-        .iter()
-        .flat_map(|s| {
-            s.tensors
-                .iter()
-                .map(move |t| (t.spec.name.as_str(), s.file_name.as_str()))
-        })
-        .collect();
-    let reopened: BTreeSet<&str> = writer.reopened_files().into_iter().collect();
-
-    // Take over the finished units whose shards survived intact.
-    let mut resumed = 0usize;
-    let mut resumed_bytes = 0u64;
-    for u in &plan.units {
-        if !done.contains(&u.key) {
-            continue;
-        }
-        if u.outputs.iter().all(|o| {
-            file_of
-                .get(o.as_str())
-                .is_some_and(|f| reopened.contains(f))
-        }) {
-            for o in &u.outputs {
-                writer.mark_written(o)?;
-            }
-            resumed += 1;
-            resumed_bytes += u.bytes_in;
-        } else {
-            done.remove(&u.key);
-        }
-    }
-    let manifest_path = out_dir.join(MANIFEST_FILE);
-    let save_manifest = |done: &BTreeSet<String>| -> Result<()> {
-        let mut m = manifest_base.clone();
-        m["done"] = json!(done);
-        let text = serde_json::to_string_pretty(&m).unwrap_or_default() + "\n";
-        write_atomic(&manifest_path, text.as_bytes())
-    };
-    save_manifest(&done)?;
-
-    let total_bytes: u64 = plan.units.iter().map(|u| u.bytes_in).sum();
-    progress.start(plan.units.len(), total_bytes, resumed, resumed_bytes);
+    let units = session.plan().units.len();
+    let total_bytes: u64 = session.plan().units.iter().map(|u| u.bytes_in).sum();
+    let (resumed, resumed_bytes) = session.resumed();
+    progress.start(units, total_bytes, resumed, resumed_bytes);
     let abort_after = env_usize(ABORT_ENV);
     let delay = env_usize(SLOW_ENV);
-    let spec = opts.quant.grid_spec();
+    let spec = session.options().quant()?.grid_spec();
     let mut processed = 0usize;
-    for u in &plan.units {
-        if done.contains(&u.key) {
+    for i in 0..units {
+        if session.is_done(i) {
             continue;
         }
-        process_unit(&ckpt, u, &writer, quantizer, spec)?;
-        // Keep resident memory at about one layer: drop this unit's source pages.
-        ckpt.release(u.tensors.iter().map(|(name, _)| name.as_str()));
-        // Durable before it is recorded.
-        let files: BTreeSet<&str> = u
-            .outputs
-            .iter()
-            .filter_map(|o| file_of.get(o.as_str()).copied())
-            .collect();
-        for f in files {
-            let p = out_dir.join(format!("{f}{PARTIAL_SUFFIX}"));
-            File::open(&p)
-                .and_then(|h| h.sync_data())
-                .map_err(Error::io("fsync", &p))?;
-        }
-        done.insert(u.key.clone());
-        save_manifest(&done)?;
+        session.write_unquantized(i)?;
+        quantize_unit(&session, i, quantizer, spec)?;
+        session.commit(i, None)?;
         processed += 1;
         if let Some(ms) = delay {
             std::thread::sleep(std::time::Duration::from_millis(ms as u64));
         }
+        let u = session.unit(i)?;
         if !progress.unit_done(&u.label, u.bytes_in) {
             return Err(Error::Interrupted);
         }
@@ -518,89 +445,21 @@ fn run(
             return Err(Error::TestAbort { units: processed });
         }
     }
-
     progress.finishing();
-    let n_shards = writer.plan().shards().len();
-    let bytes_out = writer.plan().total_bytes();
-    writer.finish()?;
-    copy_side_files(model_dir, out_dir, &mut notes)?;
-    let mut cfg = if config.is_object() {
-        config.clone()
-    } else {
-        notes.push(
-            "the model directory has no config.json; wrote one holding only quantization_config"
-                .into(),
-        );
-        json!({})
-    };
-    if let Some(obj) = cfg.as_object_mut() {
-        obj.remove("quantization_config");
-        obj.remove("compression_config");
-        obj.insert(
-            "quantization_config".into(),
-            awq_config(&opts.quant, &plan.not_convert),
-        );
-    }
-    let text = serde_json::to_string_pretty(&cfg).unwrap_or_default() + "\n";
-    write_atomic(&out_dir.join("config.json"), text.as_bytes())?;
-    std::fs::remove_file(&manifest_path).map_err(Error::io("remove", &manifest_path))?;
-    Ok(RunReport {
-        out_dir: out_dir.into(),
-        arch: plan.arch.name.into(),
-        quantizer: quantizer.name(),
-        quantized: plan.n_quantized(),
-        not_convert: plan.not_convert.clone(),
-        units: plan.units.len(),
-        resumed_units: resumed,
-        bytes_in: total_bytes,
-        bytes_out,
-        shards: n_shards,
-        seconds: t0.elapsed().as_secs_f64(),
-        notes,
-    })
+    session.finish(&[])
 }
 
-fn write_awq(writer: &ShardWriter, module: &str, t: &AwqTensors) -> Result<()> {
-    writer.write_tensor(&format!("{module}.qweight"), &le_bytes_i32(&t.qweight))?;
-    writer.write_tensor(&format!("{module}.qzeros"), &le_bytes_i32(&t.qzeros))?;
-    let scales: Vec<u8> = t.scales.iter().flat_map(|s| s.to_le_bytes()).collect();
-    writer.write_tensor(&format!("{module}.scales"), &scales)?;
-    Ok(())
-}
-
-fn le_bytes_i32(v: &[i32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn process_unit(
-    ckpt: &Checkpoint,
-    u: &Unit,
-    writer: &ShardWriter,
+fn quantize_unit(
+    session: &Session,
+    i: usize,
     quantizer: &dyn LinearQuantizer,
     spec: forge_core::GridSpec,
 ) -> Result<()> {
-    use rayon::prelude::*;
-    // Unquantized tensors: byte copies straight from the mmap, FP8 → bf16.
-    u.tensors
-        .par_iter()
-        .try_for_each(|(name, action)| -> Result<()> {
-            match action {
-                Action::Copy => writer.write_tensor(name, ckpt.tensor(name)?.bytes)?,
-                Action::ToBf16 => {
-                    let v = ckpt.dequantized_f32(name)?;
-                    let b: Vec<u8> = v
-                        .iter()
-                        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                        .collect();
-                    writer.write_tensor(name, &b)?;
-                }
-                Action::Quantize(_) | Action::Drop => {}
-            }
-            Ok(())
-        })?;
+    let u = session.unit(i)?;
     if u.linears.is_empty() {
         return Ok(());
     }
+    let ckpt = session.checkpoint();
     let linears = u
         .linears
         .iter()
@@ -620,16 +479,6 @@ fn process_unit(
         linears,
         spec,
     };
-    let sink = |i: usize, t: AwqTensors| write_awq(writer, job.linears[i].module, &t);
-    quantizer.quantize_layer(&job, &sink)?;
-    // Every linear must have reached the sink.
-    for l in &u.linears {
-        if !writer.is_written(&format!("{}.scales", l.module)) {
-            return Err(Error::Quantizer {
-                quantizer: quantizer.name(),
-                reason: format!("{}: {} was never produced", u.label, l.module),
-            });
-        }
-    }
-    Ok(())
+    let sink = |j: usize, t: AwqTensors| session.write_awq(job.linears[j].module, &t);
+    quantizer.quantize_layer(&job, &sink)
 }

@@ -7,11 +7,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use forge_core::grid::GridMode;
 use forge_io::{Checkpoint, Dtype, ShardPlan, ShardWriter, TensorSpec};
-use forge_run::arch::Pattern;
-use forge_run::run::{Progress, RunOptions};
-use forge_run::{Error, NoProgress, QuantOptions};
+use forge_run::run::Progress;
+use forge_run::{Error, NoProgress, Options};
 use half::bf16;
 use serde_json::json;
 
@@ -72,14 +70,11 @@ fn llama(dir: &Path, layers: usize) -> PathBuf {
     dir.into()
 }
 
-fn opts(g: usize) -> RunOptions {
-    RunOptions {
-        quant: QuantOptions {
-            group_size: g,
-            max_shard_bytes: 50_000,
-            ..QuantOptions::default()
-        },
-        ..RunOptions::default()
+fn opts(g: usize) -> Options {
+    Options {
+        group_size: g,
+        max_shard_size: forge_run::options::Size::Bytes(50_000),
+        ..Options::default()
     }
 }
 
@@ -168,7 +163,7 @@ fn output_does_not_depend_on_threads_or_grid_mode_is_applied() {
     forge_run::quantize(&src, &tmp.path().join("b"), &o2, &NoProgress).unwrap();
     assert_eq!(files(&tmp.path().join("a")), files(&tmp.path().join("b")));
     let mut o3 = opts(32);
-    o3.quant.grid = GridMode::Mse(forge_core::MseSpec::default());
+    o3.grid = forge_run::options::Grid::Mse;
     let rep = forge_run::quantize(&src, &tmp.path().join("c"), &o3, &NoProgress).unwrap();
     assert_eq!(rep.quantizer, "rtn-mse");
     assert_ne!(files(&tmp.path().join("a")), files(&tmp.path().join("c")));
@@ -238,7 +233,7 @@ fn fused_groups_follow_exclusions() {
     let tmp = tempfile::tempdir().unwrap();
     let src = llama(&tmp.path().join("src"), 1);
     let mut o = opts(32);
-    o.quant.exclude = vec![Pattern::new("up_proj").unwrap()];
+    o.exclude = vec!["up_proj".into()];
     let rep = forge_run::quantize(&src, &tmp.path().join("o"), &o, &NoProgress).unwrap();
     assert_eq!(rep.quantized, 5); // q, k, v, o, down
     for m in ["mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj"] {

@@ -1,0 +1,505 @@
+//! A quantization run as a session that its caller drives unit by unit.
+//!
+//! The session owns everything on disk: it reads and plans the checkpoint,
+//! prepares (or resumes) the output folder, writes every tensor at its
+//! planned offset, records finished units in the resume manifest and
+//! publishes the result. The caller owns the order of work and the maths: the
+//! data-free run ([`crate::run`]) is a short loop in Rust, the calibrated GPTQ
+//! run is a loop in Python (`forge.calibrate`), shaped like the GPTQ
+//! reference's `opt_sequential`:
+//!
+//! ```text
+//! open → for unit in units (non-layer tensors first, then layers in order):
+//!            skip if done ─ read the unit's tensors (zero-copy)
+//!            write_unquantized ─ write_linear / write_awq for each planned linear
+//!            [write the caller's state file] ─ commit
+//!      → finish
+//! ```
+//!
+//! A unit is recorded only after its bytes are fsynced; the caller's state
+//! file (the calibration activations entering the next layer) is recorded
+//! with it, so a resumed run restarts exactly where the last commit left off.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use forge_core::pack::{pack_awq, AwqTensors};
+use forge_core::QMeta;
+use forge_io::{Checkpoint, ShardPlan, ShardWriter, PARTIAL_SUFFIX};
+use serde_json::{json, Value};
+
+use crate::options::{Method, Options};
+use crate::plan::{self, Action, RunPlan, Unit};
+use crate::run::{
+    awq_config, copy_side_files, fnv, prepare_out_dir, source_fingerprint, write_atomic, Start,
+    FNV0, MANIFEST_FILE,
+};
+use crate::{Error, Result, RunReport};
+
+const MANIFEST_FORMAT: &str = "4bit-forge run manifest v2";
+/// Folder inside the output folder holding the caller's resume state.
+pub const STATE_DIR: &str = "forge-state";
+
+/// An open run. See the module documentation.
+pub struct Session {
+    ckpt: Checkpoint,
+    config: Value,
+    plan: RunPlan,
+    opts: Options,
+    model_dir: PathBuf,
+    out_dir: PathBuf,
+    writer: ShardWriter,
+    manifest_base: Value,
+    done: BTreeSet<String>,
+    state: Option<(String, String)>,
+    file_of: HashMap<String, String>,
+    notes: Vec<String>,
+    resumed: usize,
+    resumed_bytes: u64,
+    t0: Instant,
+}
+
+fn calib_fingerprint(opts: &Options) -> Result<Value> {
+    if opts.method != Method::Gptq {
+        return Ok(Value::Null);
+    }
+    let Some(path) = &opts.calib else {
+        return Err(Error::options(
+            "calib",
+            "a calibration file is required for method gptq (plain text, .jsonl with a \"text\" field, or token ids in .json/.pt)",
+        ));
+    };
+    let meta = std::fs::metadata(path).map_err(Error::io("open calibration file", path))?;
+    if !meta.is_file() {
+        return Err(Error::options(
+            "calib",
+            format!("{} is not a regular file", path.display()),
+        ));
+    }
+    if meta.len() == 0 {
+        return Err(Error::options(
+            "calib",
+            format!("{} is empty", path.display()),
+        ));
+    }
+    let mut f = File::open(path).map_err(Error::io("open calibration file", path))?;
+    let mut h = FNV0;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .map_err(Error::io("read calibration file", path))?;
+        if n == 0 {
+            break;
+        }
+        h = fnv(&buf[..n], h);
+    }
+    Ok(json!({"size": meta.len(), "fnv": format!("{h:016x}")}))
+}
+
+impl Session {
+    /// Opens a run: validates the options, plans every tensor, and prepares the
+    /// output folder (fresh, or resumed from its manifest when `opts.resume`).
+    pub fn open(model_dir: &Path, out_dir: &Path, opts: &Options) -> Result<Session> {
+        opts.validate()?;
+        let t0 = Instant::now();
+        let ckpt = Checkpoint::open(model_dir)?;
+        let config = plan::read_config(model_dir)?;
+        let quant = opts.quant()?;
+        let plan = plan::build(&ckpt, &config, &quant)?;
+        let shard_plan = ShardPlan::new(plan.specs.iter().cloned(), quant.max_shard_bytes)?;
+        let calib = calib_fingerprint(opts)?;
+        let manifest_base = json!({
+            "format": MANIFEST_FORMAT,
+            "version": env!("CARGO_PKG_VERSION"),
+            "quantizer": opts.quantizer_name(),
+            "options": opts.fingerprint(),
+            "calibration": calib,
+            "source": source_fingerprint(&ckpt)?,
+            "plan": crate::run::plan_fingerprint(&plan, &shard_plan),
+        });
+        let start = prepare_out_dir(
+            model_dir,
+            out_dir,
+            opts.resume,
+            opts.overwrite,
+            &manifest_base,
+        )?;
+        let (writer, mut done, state) = match start {
+            Start::Fresh => (
+                ShardWriter::create(out_dir, shard_plan, &Default::default())?,
+                BTreeSet::new(),
+                None,
+            ),
+            Start::Resume { done, state } => (
+                ShardWriter::create_or_reopen(out_dir, shard_plan, &Default::default())?,
+                done.into_iter().collect(),
+                state,
+            ),
+        };
+        let file_of: HashMap<String, String> = writer
+            .plan()
+            .shards()
+            .iter()
+            .flat_map(|s| {
+                s.tensors
+                    .iter()
+                    .map(move |t| (t.spec.name.clone(), s.file_name.clone()))
+            })
+            .collect();
+        let reopened: BTreeSet<String> = writer
+            .reopened_files()
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        // Take over the finished units whose shards survived intact, in order: a
+        // unit whose bytes are lost ends the resumable prefix (later layers depend on it).
+        let mut resumed = 0usize;
+        let mut resumed_bytes = 0u64;
+        let mut intact = true;
+        for u in &plan.units {
+            if !done.contains(&u.key) {
+                if u.layer.is_some() {
+                    intact = false;
+                }
+                continue;
+            }
+            let ok = u.outputs.iter().all(|o| {
+                file_of
+                    .get(o.as_str())
+                    .is_some_and(|f| reopened.contains(f))
+            });
+            let keep = ok && (intact || opts.method == Method::Rtn || u.layer.is_none());
+            if keep {
+                for o in &u.outputs {
+                    writer.mark_written(o)?;
+                }
+                resumed += 1;
+                resumed_bytes += u.bytes_in;
+            } else {
+                done.remove(&u.key);
+                if u.layer.is_some() {
+                    intact = false;
+                }
+            }
+        }
+        // The caller's state is usable only if it belongs to the last finished layer.
+        let last_layer = plan
+            .units
+            .iter()
+            .filter(|u| u.layer.is_some() && done.contains(&u.key))
+            .last()
+            .map(|u| u.key.clone());
+        let state = state.filter(|(key, file)| {
+            Some(key) == last_layer.as_ref() && out_dir.join(STATE_DIR).join(file).is_file()
+        });
+        if opts.method == Method::Gptq && state.is_none() && last_layer.is_some() {
+            // Without the activations entering the next layer, the layers must be redone.
+            for u in &plan.units {
+                if u.layer.is_some() && done.remove(&u.key) {
+                    resumed -= 1;
+                    resumed_bytes -= u.bytes_in;
+                }
+            }
+        }
+        let s = Session {
+            ckpt,
+            config,
+            notes: plan.notes.clone(),
+            plan,
+            opts: opts.clone(),
+            model_dir: model_dir.into(),
+            out_dir: out_dir.into(),
+            writer,
+            manifest_base,
+            done,
+            state,
+            file_of,
+            resumed,
+            resumed_bytes,
+            t0,
+        };
+        s.save_manifest()?;
+        Ok(s)
+    }
+
+    fn save_manifest(&self) -> Result<()> {
+        let mut m = self.manifest_base.clone();
+        m["done"] = json!(self.done);
+        m["state"] = match &self.state {
+            Some((unit, file)) => json!({"unit": unit, "file": file}),
+            None => Value::Null,
+        };
+        let text = serde_json::to_string_pretty(&m).unwrap_or_default() + "\n";
+        write_atomic(&self.out_dir.join(MANIFEST_FILE), text.as_bytes())
+    }
+
+    /// The source checkpoint (zero-copy tensor views).
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.ckpt
+    }
+
+    /// The plan: units in processing order (non-layer tensors first).
+    pub fn plan(&self) -> &RunPlan {
+        &self.plan
+    }
+
+    /// The source `config.json` (`Null` when absent).
+    pub fn config(&self) -> &Value {
+        &self.config
+    }
+
+    /// The validated options.
+    pub fn options(&self) -> &Options {
+        &self.opts
+    }
+
+    /// The output folder.
+    pub fn out_dir(&self) -> &Path {
+        &self.out_dir
+    }
+
+    /// Whether unit `i` is finished (by this run or the interrupted one).
+    pub fn is_done(&self, i: usize) -> bool {
+        self.plan
+            .units
+            .get(i)
+            .is_some_and(|u| self.done.contains(&u.key))
+    }
+
+    /// Units finished by an earlier run, and their source bytes.
+    pub fn resumed(&self) -> (usize, u64) {
+        (self.resumed, self.resumed_bytes)
+    }
+
+    /// The caller's resume state: `(unit key, path)` of the state file recorded
+    /// with the last finished layer, if any.
+    pub fn resume_state(&self) -> Option<(String, PathBuf)> {
+        self.state
+            .as_ref()
+            .map(|(k, f)| (k.clone(), self.out_dir.join(STATE_DIR).join(f)))
+    }
+
+    /// Where the caller writes the state to record with unit `i`'s commit
+    /// (the folder is created).
+    pub fn state_path(&self, i: usize) -> Result<PathBuf> {
+        let u = self.unit(i)?;
+        let dir = self.out_dir.join(STATE_DIR);
+        std::fs::create_dir_all(&dir).map_err(Error::io("create directory", &dir))?;
+        Ok(dir.join(format!("{}.safetensors", u.key)))
+    }
+
+    /// Unit `i`.
+    pub fn unit(&self, i: usize) -> Result<&Unit> {
+        self.plan.units.get(i).ok_or_else(|| {
+            Error::options(
+                "unit",
+                format!("no unit {i} (the plan has {})", self.plan.units.len()),
+            )
+        })
+    }
+
+    /// Writes unit `i`'s unquantized tensors (byte copies; FP8 → bf16).
+    pub fn write_unquantized(&self, i: usize) -> Result<()> {
+        use rayon::prelude::*;
+        let u = self.unit(i)?;
+        u.tensors
+            .par_iter()
+            .try_for_each(|(name, action)| -> Result<()> {
+                match action {
+                    Action::Copy => self
+                        .writer
+                        .write_tensor(name, self.ckpt.tensor(name)?.bytes)?,
+                    Action::ToBf16 => {
+                        let v = self.ckpt.dequantized_f32(name)?;
+                        let b: Vec<u8> = v
+                            .iter()
+                            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                            .collect();
+                        self.writer.write_tensor(name, &b)?;
+                    }
+                    Action::Quantize(_) | Action::Drop => {}
+                }
+                Ok(())
+            })
+    }
+
+    /// Writes a quantized linear already in the AWQ layout.
+    pub fn write_awq(&self, module: &str, t: &AwqTensors) -> Result<()> {
+        let w = &self.writer;
+        w.write_tensor(&format!("{module}.qweight"), &le_bytes(&t.qweight))?;
+        w.write_tensor(&format!("{module}.qzeros"), &le_bytes(&t.qzeros))?;
+        let scales: Vec<u8> = t.scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        w.write_tensor(&format!("{module}.scales"), &scales)?;
+        Ok(())
+    }
+
+    /// Packs and writes a quantized linear from its codes `K × N` (row-major,
+    /// one code per byte) and its grid `N × K/G` (qmeta4 words).
+    pub fn write_linear(&self, module: &str, codes: &[u8], qmeta: &[QMeta]) -> Result<()> {
+        let l = self
+            .plan
+            .units
+            .iter()
+            .flat_map(|u| u.linears.iter())
+            .find(|l| l.module == module)
+            .ok_or_else(|| {
+                Error::options(
+                    "module",
+                    format!("{module:?} is not a linear this run quantizes"),
+                )
+            })?;
+        let spec = self.opts.quant()?.grid_spec();
+        let t = pack_awq(codes, qmeta, l.k, l.n, &spec).map_err(|e| Error::Quantize {
+            file: self.ckpt.path().into(),
+            tensor: l.weight.clone(),
+            source: Box::new(e),
+        })?;
+        self.write_awq(module, &t)
+    }
+
+    /// Marks unit `i` finished: every planned output must have been written.
+    /// Its shards are fsynced, `state` (a file the caller wrote at
+    /// [`Session::state_path`]) is fsynced and recorded, the manifest is saved,
+    /// the previous state file is removed, and the unit's source pages are
+    /// released.
+    pub fn commit(&mut self, i: usize, state: Option<&Path>) -> Result<()> {
+        let u = self.unit(i)?.clone();
+        let missing: Vec<&str> = u
+            .outputs
+            .iter()
+            .filter(|o| !self.writer.is_written(o))
+            .map(String::as_str)
+            .collect();
+        if let Some(first) = missing.first() {
+            return Err(Error::Quantizer {
+                quantizer: self.opts.quantizer_name(),
+                reason: format!(
+                    "{}: {} output tensor(s) were never written, first {first:?}",
+                    u.label,
+                    missing.len()
+                ),
+            });
+        }
+        let files: BTreeSet<&str> = u
+            .outputs
+            .iter()
+            .filter_map(|o| self.file_of.get(o.as_str()).map(String::as_str))
+            .collect();
+        for f in files {
+            let p = self.out_dir.join(format!("{f}{PARTIAL_SUFFIX}"));
+            File::open(&p)
+                .and_then(|h| h.sync_data())
+                .map_err(Error::io("fsync", &p))?;
+        }
+        let previous = self.state.take();
+        if let Some(p) = state {
+            File::open(p)
+                .and_then(|h| h.sync_all())
+                .map_err(Error::io("fsync", p))?;
+            let name = p
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            self.state = Some((u.key.clone(), name));
+        } else if u.layer.is_none() {
+            self.state = previous.clone();
+        }
+        self.done.insert(u.key.clone());
+        self.save_manifest()?;
+        if let Some((_, old)) = previous {
+            if self.state.as_ref().map(|s| &s.1) != Some(&old) {
+                let _ = std::fs::remove_file(self.out_dir.join(STATE_DIR).join(old));
+            }
+        }
+        self.ckpt
+            .release(u.tensors.iter().map(|(name, _)| name.as_str()));
+        Ok(())
+    }
+
+    /// Publishes the run: shards renamed into place, the index, side files,
+    /// `extra` files of the caller (reports, router statistics), and
+    /// `config.json` last. Every unit must be committed.
+    pub fn finish(self, extra: &[(String, Vec<u8>)]) -> Result<RunReport> {
+        if let Some(u) = self.plan.units.iter().find(|u| !self.done.contains(&u.key)) {
+            return Err(Error::Quantizer {
+                quantizer: self.opts.quantizer_name(),
+                reason: format!("{} was never committed; the run is not finished", u.label),
+            });
+        }
+        let Session {
+            ckpt: _,
+            config,
+            plan,
+            opts,
+            model_dir,
+            out_dir,
+            writer,
+            mut notes,
+            resumed,
+            t0,
+            ..
+        } = self;
+        let n_shards = writer.plan().shards().len();
+        let bytes_out = writer.plan().total_bytes();
+        writer.finish()?;
+        copy_side_files(&model_dir, &out_dir, &mut notes)?;
+        for (name, bytes) in extra {
+            if name.contains('/') || name.contains('\\') || name.starts_with('.') {
+                return Err(Error::options(
+                    "extra",
+                    format!("{name:?} is not a plain file name"),
+                ));
+            }
+            write_atomic(&out_dir.join(name), bytes)?;
+        }
+        let mut cfg = if config.is_object() {
+            config.clone()
+        } else {
+            notes.push(
+                "the model directory has no config.json; wrote one holding only quantization_config"
+                    .into(),
+            );
+            json!({})
+        };
+        let quant = opts.quant()?;
+        if let Some(obj) = cfg.as_object_mut() {
+            obj.remove("quantization_config");
+            obj.remove("compression_config");
+            obj.insert(
+                "quantization_config".into(),
+                awq_config(&quant, &plan.not_convert),
+            );
+        }
+        let text = serde_json::to_string_pretty(&cfg).unwrap_or_default() + "\n";
+        write_atomic(&out_dir.join("config.json"), text.as_bytes())?;
+        let state_dir = out_dir.join(STATE_DIR);
+        if state_dir.is_dir() {
+            std::fs::remove_dir_all(&state_dir).map_err(Error::io("remove", &state_dir))?;
+        }
+        let manifest = out_dir.join(MANIFEST_FILE);
+        std::fs::remove_file(&manifest).map_err(Error::io("remove", &manifest))?;
+        let total_bytes: u64 = plan.units.iter().map(|u| u.bytes_in).sum();
+        Ok(RunReport {
+            out_dir,
+            arch: plan.arch.name.into(),
+            quantizer: opts.quantizer_name(),
+            quantized: plan.n_quantized(),
+            not_convert: plan.not_convert.clone(),
+            units: plan.units.len(),
+            resumed_units: resumed,
+            bytes_in: total_bytes,
+            bytes_out,
+            shards: n_shards,
+            seconds: t0.elapsed().as_secs_f64(),
+            notes,
+        })
+    }
+}
+
+fn le_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
