@@ -63,8 +63,9 @@ def test_awq_linear_cpu_matches_dequant_matmul(k, n, group, dtype):
     ref = x.float() @ ref_weight(qweight, qzeros, scales, group).T + bias.float()
     assert y.shape == (2, 5, n) and y.dtype == dtype
     assert rel_err(y, ref) < TOL[dtype]
-    # the int4pack form is built once and reused; unsupported shapes use the fallback
+    # the int4pack form (or the dense fallback: fp32, unsupported shapes) is built once
     assert ("int4pack" in mod._cache) == cpu_int4_supported(k, n, group, dtype)
+    assert ("dense" in mod._cache) != cpu_int4_supported(k, n, group, dtype)
 
 
 def test_awq_linear_rebuilds_after_load_state_dict():

@@ -7,12 +7,14 @@ the activation's device:
 
 * CUDA: forge's fused W4A16 kernel through the ``torch.ops.forge.awq_gemm`` custom op, which
   has a fake (meta) implementation, so ``torch.compile`` traces it and CUDA graphs capture it.
-* CPU: PyTorch's tinygemm int4 kernel (``aten._weight_int4pack_mm_for_cpu``). The weight is
-  converted once, on the first CPU forward of each activation dtype: codes are unpacked to
-  ``[N, K]`` and repacked by ``aten._convert_weight_to_int4pack_for_cpu``; tinygemm computes
-  ``w = (q - 8) * scale + zero``, so the AWQ zero point becomes ``zero = (8 - z) * scale``
-  (``scales_and_zeros [K/G, N, 2]`` in the activation dtype). Shapes or dtypes the kernel
-  refuses (see :func:`cpu_int4_supported`) fall back to dequantize-then-matmul in float32.
+* CPU: PyTorch's tinygemm int4 kernel (``aten._weight_int4pack_mm_for_cpu``) for bf16 and
+  fp16 activations. The weight is converted once, on the first CPU forward of each dtype:
+  codes are unpacked to ``[N, K]`` and repacked by ``aten._convert_weight_to_int4pack_for_cpu``;
+  tinygemm computes ``w = (q - 8) * scale + zero``, so the AWQ zero point becomes
+  ``zero = (8 - z) * scale`` (``scales_and_zeros [K/G, N, 2]`` in the activation dtype).
+  Where the kernel refuses the shape (``N % 16``, group sizes other than 32..256) and for
+  float32 activations (tinygemm's fp32 path measured 10-60x slower than a dense fp32 GEMM
+  here), the weight is dequantized once into a cached dense copy in the activation dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from .errors import DTypeError, ShapeError
-from .quant import awq_matmul, unpack_awq
+from .quant import awq_matmul, dequantize_awq, unpack_awq
 
 __all__ = ["AwqLinear", "AwqExperts", "awq_linear", "cpu_int4_supported"]
 
@@ -45,12 +47,12 @@ def _awq_gemm_fake(x, qweight, qzeros, scales, group_size):
 
 # --------------------------------------------------------------------------- CPU int4 path
 
-_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CPU_DTYPES = (torch.bfloat16, torch.float16)
 _CPU_GROUPS = (32, 64, 128, 256)
 
 
 def cpu_int4_supported(in_features: int, out_features: int, group_size: int, dtype: torch.dtype) -> bool:
-    """Whether ``aten._weight_int4pack_mm_for_cpu`` takes this shape and activation dtype."""
+    """Whether the CPU path uses ``aten._weight_int4pack_mm_for_cpu`` for this shape and dtype."""
     return (
         hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
         and dtype in _CPU_DTYPES
@@ -83,8 +85,9 @@ def awq_linear(
 ) -> torch.Tensor:
     """``x (..., K) @ dequant(W).T + bias`` in ``x``'s dtype, on ``x``'s device.
 
-    ``cache`` (a dict owned by the caller) keeps the CPU int4pack form between calls; it is
-    rebuilt when a buffer is modified in place (``load_state_dict``) or the dtype changes.
+    ``cache`` (a dict owned by the caller) keeps the CPU int4pack form (or the dense fallback
+    weight) between calls; it is rebuilt when a buffer is modified in place
+    (``load_state_dict``) or the dtype changes.
     """
     k, n = qweight.shape[0], scales.shape[-1]
     if x.shape[-1] != k:
@@ -102,7 +105,13 @@ def awq_linear(
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, entry[1], group_size, entry[2])
         y = y.reshape(*x.shape[:-1], n)
     else:
-        y = awq_matmul(x, qweight, qzeros, scales, group_size)
+        key = (x.dtype, qweight.data_ptr(), qweight._version, qzeros._version, scales._version)
+        entry = None if cache is None else cache.get("dense")
+        if entry is None or entry[0] != key:
+            entry = (key, dequantize_awq(qweight, qzeros, scales, group_size).to(x.dtype))
+            if cache is not None:
+                cache["dense"] = entry
+        y = nn.functional.linear(x, entry[1])
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y
@@ -283,7 +292,8 @@ class AwqExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
+        # float32 accumulator: exact-er sums, and CPU index_add_ in bf16 is ~10x slower
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         valid = (flat >= 0) & (flat < self.num_experts)
@@ -301,9 +311,9 @@ class AwqExperts(nn.Module):
             gate, up = self._proj("gate_up", x, e).chunk(2, dim=-1)
             y = self._proj("down", self.act_fn(gate) * up, e)
             y = y * weight_of[start : start + count, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
+            out.index_add_(0, tokens, y.float())
             start += count
-        return out
+        return out.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (
