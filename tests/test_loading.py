@@ -32,7 +32,6 @@ from forge.runtime import AwqExperts, AwqLinear  # noqa: E402
 GROUP = 32
 FP32_TOL, BF16_TOL = 1e-4, 5e-2
 TOKENS = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(7))
-ASSETS = Path(__file__).resolve().parents[2].parent / "shared" / "assets" / "deepseek-v3-tiny"
 
 
 def forge_folder(root: Path, kind: str, **kw) -> Path:
