@@ -69,3 +69,18 @@ __all__ = [
     "unpack_awq",
     "unpack_gptq",
 ]
+
+# W4A16 runtime: forged checkpoints as transformers models, and their evaluation
+from .evaluate import EvalReport, ModelEval, evaluate  # noqa: E402
+from .loading import load_fp8_dequantized, load_quantized  # noqa: E402
+from .runtime import AwqExperts, AwqLinear  # noqa: E402
+
+__all__ += [
+    "AwqExperts",
+    "AwqLinear",
+    "EvalReport",
+    "ModelEval",
+    "evaluate",
+    "load_fp8_dequantized",
+    "load_quantized",
+]

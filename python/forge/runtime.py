@@ -1,0 +1,334 @@
+"""W4A16 inference modules over vLLM AWQ "gemm" tensors: a linear and grouped MoE experts.
+
+Both keep the checkpoint's tensors as they are stored (``qweight`` int32 ``[K, N/8]``,
+``qzeros`` int32 ``[K/G, N/8]``, ``scales`` fp16 ``[K/G, N]``, nibble ``i`` of a word holding
+column ``8c + [0, 2, 4, 6, 1, 3, 5, 7][i]``; ``W[n, k] = (q - z) * s``) and pick a kernel by
+the activation's device:
+
+* CUDA: forge's fused W4A16 kernel through the ``torch.ops.forge.awq_gemm`` custom op, which
+  has a fake (meta) implementation, so ``torch.compile`` traces it and CUDA graphs capture it.
+* CPU: PyTorch's tinygemm int4 kernel (``aten._weight_int4pack_mm_for_cpu``) for bf16 and
+  fp16 activations. The weight is converted once, on the first CPU forward of each dtype:
+  codes are unpacked to ``[N, K]`` and repacked by ``aten._convert_weight_to_int4pack_for_cpu``;
+  tinygemm computes ``w = (q - 8) * scale + zero``, so the AWQ zero point becomes
+  ``zero = (8 - z) * scale`` (``scales_and_zeros [K/G, N, 2]`` in the activation dtype).
+  Where the kernel refuses the shape (``N % 16``, group sizes other than 32..256) and for
+  float32 activations (tinygemm's fp32 path measured 10-60x slower than a dense fp32 GEMM
+  here), the weight is dequantized once into a cached dense copy in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import DTypeError, ShapeError
+from .quant import awq_matmul, dequantize_awq, unpack_awq
+
+__all__ = ["AwqLinear", "AwqExperts", "awq_linear", "cpu_int4_supported"]
+
+PACK = 8  # int4 values per int32 word
+
+# --------------------------------------------------------------------------- custom op
+
+
+@torch.library.custom_op("forge::awq_gemm", mutates_args=())
+def awq_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x (..., K) @ dequant(W).T`` with forge's kernel (CUDA) or reference (CPU); ``x``'s dtype."""
+    return awq_matmul(x, qweight, qzeros, scales, group_size)
+
+
+@awq_gemm.register_fake
+def _awq_gemm_fake(x, qweight, qzeros, scales, group_size):
+    return x.new_empty((*x.shape[:-1], scales.shape[-1]))
+
+
+# --------------------------------------------------------------------------- CPU int4 path
+
+_CPU_DTYPES = (torch.bfloat16, torch.float16)
+_CPU_GROUPS = (32, 64, 128, 256)
+
+
+def cpu_int4_supported(in_features: int, out_features: int, group_size: int, dtype: torch.dtype) -> bool:
+    """Whether the CPU path uses ``aten._weight_int4pack_mm_for_cpu`` for this shape and dtype."""
+    return (
+        hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        and dtype in _CPU_DTYPES
+        and group_size in _CPU_GROUPS
+        and in_features % group_size == 0
+        and out_features % 16 == 0
+        and in_features % 16 == 0
+    )
+
+
+def _to_int4pack_cpu(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ tensors -> (tinygemm packed weight uint8 ``[N, K/2]``, scales_and_zeros ``[K/G, N, 2]``)."""
+    codes, zeros = unpack_awq(qweight, qzeros, group_size)  # (K, N), (K/G, N) uint8
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().contiguous().to(torch.int32), 1)
+    s = scales.to(torch.float32)
+    zero_bias = (8.0 - zeros.to(torch.float32)) * s
+    return packed, torch.stack([s, zero_bias], dim=-1).to(dtype).contiguous()
+
+
+def awq_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    cache: dict | None = None,
+) -> torch.Tensor:
+    """``x (..., K) @ dequant(W).T + bias`` in ``x``'s dtype, on ``x``'s device.
+
+    ``cache`` (a dict owned by the caller) keeps the CPU int4pack form (or the dense fallback
+    weight) between calls; it is rebuilt when a buffer is modified in place
+    (``load_state_dict``) or the dtype changes.
+    """
+    k, n = qweight.shape[0], scales.shape[-1]
+    if x.shape[-1] != k:
+        raise ShapeError(f"x: expected last dim {k} (in_features), got {tuple(x.shape)}")
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        y = torch.ops.forge.awq_gemm(x, qweight, qzeros, scales, group_size)
+    elif cpu_int4_supported(k, n, group_size, x.dtype):
+        key = (x.dtype, qweight.data_ptr(), qweight._version, qzeros._version, scales._version)
+        entry = None if cache is None else cache.get("int4pack")
+        if entry is None or entry[0] != key:
+            entry = (key, *_to_int4pack_cpu(qweight, qzeros, scales, group_size, x.dtype))
+            if cache is not None:
+                cache["int4pack"] = entry
+        x2 = x.reshape(-1, k).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, entry[1], group_size, entry[2])
+        y = y.reshape(*x.shape[:-1], n)
+    else:
+        key = (x.dtype, qweight.data_ptr(), qweight._version, qzeros._version, scales._version)
+        entry = None if cache is None else cache.get("dense")
+        if entry is None or entry[0] != key:
+            entry = (key, dequantize_awq(qweight, qzeros, scales, group_size).to(x.dtype))
+            if cache is not None:
+                cache["dense"] = entry
+        y = nn.functional.linear(x, entry[1])
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
+
+
+def _check_awq(name: str, qweight, qzeros, scales, group_size: int, k: int, n: int) -> None:
+    """Validates one AWQ triple against ``in_features = k``, ``out_features = n``."""
+    if group_size % 32 or not 32 <= group_size <= 1024:
+        raise ShapeError(f"{name}: group_size must be a multiple of 32 in [32, 1024], got {group_size}")
+    if n % PACK or k % group_size:
+        raise ShapeError(
+            f"{name}: in_features {k} must be a multiple of group_size {group_size} "
+            f"and out_features {n} of {PACK}"
+        )
+    want = {
+        "qweight": ((k, n // PACK), torch.int32),
+        "qzeros": ((k // group_size, n // PACK), torch.int32),
+        "scales": ((k // group_size, n), torch.float16),
+    }
+    for part, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+        shape, dtype = want[part]
+        if tuple(t.shape[-2:]) != shape:
+            raise ShapeError(f"{name}.{part}: expected shape {shape}, got {tuple(t.shape)}")
+        if t.dtype != dtype and not t.is_meta:
+            raise DTypeError(f"{name}.{part}: expected {dtype}, got {t.dtype}")
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class AwqLinear(nn.Module):
+    """``nn.Linear`` replacement holding a vLLM AWQ "gemm" weight (buffers, not parameters)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group_size: int = 128,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        _check_awq(
+            "AwqLinear",
+            *_empty_awq(in_features, out_features, group_size),
+            group_size,
+            in_features,
+            out_features,
+        )
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        ng = in_features // group_size
+        self.register_buffer(
+            "qweight", torch.zeros(in_features, out_features // PACK, dtype=torch.int32, device=device)
+        )
+        self.register_buffer(
+            "qzeros", torch.zeros(ng, out_features // PACK, dtype=torch.int32, device=device)
+        )
+        self.register_buffer("scales", torch.zeros(ng, out_features, dtype=torch.float16, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+        self._cache: dict = {}
+
+    @classmethod
+    def from_tensors(
+        cls,
+        qweight: torch.Tensor,
+        qzeros: torch.Tensor,
+        scales: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+        name: str = "AwqLinear",
+    ) -> AwqLinear:
+        """Wraps existing AWQ tensors (no copy); ``name`` is used in error messages."""
+        k, n = qweight.shape[0], scales.shape[-1]
+        _check_awq(name, qweight, qzeros, scales, group_size, k, n)
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise ShapeError(f"{name}.bias: expected shape ({n},), got {tuple(bias.shape)}")
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod.in_features, mod.out_features, mod.group_size = k, n, group_size
+        mod.register_buffer("qweight", qweight)
+        mod.register_buffer("qzeros", qzeros)
+        mod.register_buffer("scales", scales)
+        if bias is not None:
+            mod.register_buffer("bias", bias)
+        else:
+            mod.bias = None
+        mod._cache = {}
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, self._cache)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, bias={self.bias is not None}"
+        )
+
+
+def _act_fn(name: str):
+    try:
+        from transformers.activations import ACT2FN
+
+        return ACT2FN[name]
+    except (ImportError, KeyError):
+        if name in ("silu", "swish"):
+            return nn.functional.silu
+        raise
+
+
+class AwqExperts(nn.Module):
+    """Grouped MoE experts (``act(gate(x)) * up(x)`` then ``down``) over stacked AWQ tensors.
+
+    A drop-in for transformers 5's fused experts modules (``DeepseekV3NaiveMoe``,
+    ``Qwen3MoeExperts``, ``MixtralExperts``): ``forward(hidden_states (T, H), top_k_index
+    (T, k), top_k_weights (T, k)) -> (T, H)``. Gate and up are concatenated along N (one
+    ``[E, H, 2I/8]`` weight, gate columns first, as transformers' ``gate_up_proj``). Either
+    projection may instead be dense (``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``
+    parameters, transformers' layout) when the checkpoint kept it unquantized. Only experts
+    that receive tokens run; ids outside ``[0, E)`` are ignored (expert-parallel masking).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        group_size: int = 128,
+        hidden_act: str = "silu",
+        quantized_gate_up: bool = True,
+        quantized_down: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        e, h, i, g = num_experts, hidden_size, intermediate_size, group_size
+        self.num_experts, self.hidden_dim, self.intermediate_dim, self.group_size = e, h, i, g
+        self.hidden_act = hidden_act
+        self.act_fn = _act_fn(hidden_act)
+        self.quantized_gate_up, self.quantized_down = quantized_gate_up, quantized_down
+        if quantized_gate_up:
+            _check_awq("AwqExperts.gate_up", *_empty_awq(h, 2 * i, g), g, h, 2 * i)
+            for part, t in zip(
+                ("qweight", "qzeros", "scales"), _empty_awq(h, 2 * i, g, e, device), strict=True
+            ):
+                self.register_buffer(f"gate_up_{part}", t)
+        else:
+            self.gate_up_proj = nn.Parameter(
+                torch.zeros(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False
+            )
+        if quantized_down:
+            _check_awq("AwqExperts.down", *_empty_awq(i, h, g), g, i, h)
+            for part, t in zip(("qweight", "qzeros", "scales"), _empty_awq(i, h, g, e, device), strict=True):
+                self.register_buffer(f"down_{part}", t)
+        else:
+            self.down_proj = nn.Parameter(
+                torch.zeros(e, h, i, dtype=dtype, device=device), requires_grad=False
+            )
+        self._caches: dict = {}
+
+    def _proj(self, which: str, x: torch.Tensor, e: int) -> torch.Tensor:
+        if not getattr(self, f"quantized_{which}"):
+            return nn.functional.linear(x, getattr(self, f"{which}_proj")[e].to(x.dtype))
+        cache = self._caches.setdefault((which, e), {})
+        return awq_linear(
+            x,
+            getattr(self, f"{which}_qweight")[e],
+            getattr(self, f"{which}_qzeros")[e],
+            getattr(self, f"{which}_scales")[e],
+            self.group_size,
+            cache=cache,
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        # float32 accumulator: exact-er sums, and CPU index_add_ in bf16 is ~10x slower
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        valid = (flat >= 0) & (flat < self.num_experts)
+        ids = torch.where(valid, flat, torch.full_like(flat, self.num_experts))
+        order = torch.argsort(ids, stable=True)
+        counts = torch.bincount(ids, minlength=self.num_experts + 1)[: self.num_experts].tolist()
+        token_of = order // k
+        weight_of = top_k_weights.reshape(-1)[order]
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            x = hidden_states.index_select(0, tokens)
+            gate, up = self._proj("gate_up", x, e).chunk(2, dim=-1)
+            y = self._proj("down", self.act_fn(gate) * up, e)
+            y = y * weight_of[start : start + count, None]
+            out.index_add_(0, tokens, y.float())
+            start += count
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+            f"group_size={self.group_size}, quantized_gate_up={self.quantized_gate_up}, "
+            f"quantized_down={self.quantized_down}"
+        )
+
+
+def _empty_awq(k: int, n: int, g: int, e: int | None = None, device=None):
+    lead = () if e is None else (e,)
+    dev = "meta" if e is None else device
+    ng = k // max(g, 1)
+    return (
+        torch.zeros(*lead, k, n // PACK, dtype=torch.int32, device=dev),
+        torch.zeros(*lead, ng, n // PACK, dtype=torch.int32, device=dev),
+        torch.zeros(*lead, ng, n, dtype=torch.float16, device=dev),
+    )

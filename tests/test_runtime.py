@@ -1,0 +1,204 @@
+"""forge.runtime: AwqLinear and AwqExperts against dequantize-then-matmul in plain PyTorch.
+
+The reference unpacks the vLLM AWQ words with its own few lines (nibble i of a word holds
+column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i]; W[n, k] = (q - z) * s), nothing from forge.
+
+Tolerances, as max |y - ref| / max |ref| against a float32 reference on the same tensors:
+float32 activations 1e-5 (both sides are fp32 GEMMs), float16 4e-3, bfloat16 2e-2 (the
+activations, the int4pack scale/zero pair and the output are rounded to the 16-bit type).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forge.runtime import AwqExperts, AwqLinear, cpu_int4_supported
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def ref_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """(..., R, N/8) int32 -> (..., R, N) int64 nibbles in AWQ column order."""
+    w = packed.to(torch.int64) & 0xFFFFFFFF
+    out = torch.empty(*w.shape[:-1], w.shape[-1] * 8, dtype=torch.int64)
+    for i, col in enumerate(AWQ_ORDER):
+        out[..., col::8] = (w >> (4 * i)) & 0xF
+    return out
+
+
+def ref_weight(qweight, qzeros, scales, group: int) -> torch.Tensor:
+    """W (..., N, K) float32."""
+    q = ref_unpack(qweight)
+    z = ref_unpack(qzeros).repeat_interleave(group, dim=-2)
+    s = scales.float().repeat_interleave(group, dim=-2)
+    return ((q - z).float() * s).transpose(-1, -2)
+
+
+def random_awq(k: int, n: int, group: int, *lead: int, gen=None):
+    """Random AWQ tensors: every bit pattern of the words is a valid code."""
+    qweight = torch.randint(-(2**31), 2**31, (*lead, k, n // 8), generator=gen, dtype=torch.int64)
+    qzeros = torch.randint(-(2**31), 2**31, (*lead, k // group, n // 8), generator=gen, dtype=torch.int64)
+    scales = (torch.rand(*lead, k // group, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    return qweight.to(torch.int32), qzeros.to(torch.int32), scales
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "k,n,group",
+    [(256, 160, 128), (128, 64, 32), (512, 96, 256), (64, 40, 32), (1024, 32, 512)],
+    ids=["int4pack-g128", "int4pack-g32", "int4pack-g256", "fallback-n40", "fallback-g512"],
+)
+def test_awq_linear_cpu_matches_dequant_matmul(k, n, group, dtype):
+    qweight, qzeros, scales = random_awq(k, n, group)
+    bias = torch.randn(n).to(dtype)
+    mod = AwqLinear.from_tensors(qweight, qzeros, scales, group, bias)
+    x = torch.randn(2, 5, k).to(dtype)
+    y = mod(x)
+    ref = x.float() @ ref_weight(qweight, qzeros, scales, group).T + bias.float()
+    assert y.shape == (2, 5, n) and y.dtype == dtype
+    assert rel_err(y, ref) < TOL[dtype]
+    # the int4pack form (or the dense fallback: fp32, unsupported shapes) is built once
+    assert ("int4pack" in mod._cache) == cpu_int4_supported(k, n, group, dtype)
+    assert ("dense" in mod._cache) != cpu_int4_supported(k, n, group, dtype)
+
+
+def test_awq_linear_rebuilds_after_load_state_dict():
+    k, n, group = 128, 64, 32
+    mod = AwqLinear(k, n, group, dtype=torch.float32)
+    x = torch.randn(3, k)
+    mod(x)
+    new = random_awq(k, n, group)
+    mod.load_state_dict(dict(zip(("qweight", "qzeros", "scales"), new, strict=True)))
+    assert rel_err(mod(x), x @ ref_weight(*new, group).T) < TOL[torch.float32]
+
+
+def test_awq_linear_rejects_bad_shapes():
+    from forge.errors import ShapeError
+
+    qweight, qzeros, scales = random_awq(128, 64, 32)
+    with pytest.raises(ShapeError, match="qzeros"):
+        AwqLinear.from_tensors(qweight, qzeros[:2], scales, 32, name="layer.q_proj")
+    with pytest.raises(ShapeError, match="group_size must be a multiple of 32"):
+        AwqLinear(64, 32, 16)
+    with pytest.raises(ShapeError, match="x: expected last dim 128"):
+        AwqLinear.from_tensors(qweight, qzeros, scales, 32)(torch.randn(2, 64))
+
+
+def test_awq_gemm_custom_op_opcheck_and_compile():
+    """The custom op's fake implementation agrees with the real one; torch.compile traces it."""
+    qweight, qzeros, scales = random_awq(128, 64, 32)
+    x = torch.randn(4, 128)
+    torch.library.opcheck(torch.ops.forge.awq_gemm.default, (x, qweight, qzeros, scales, 32))
+    mod = AwqLinear.from_tensors(qweight, qzeros, scales, 32)
+    compiled = torch.compile(mod, backend="aot_eager", fullgraph=True)
+    assert rel_err(compiled(x), x @ ref_weight(qweight, qzeros, scales, 32).T) < TOL[torch.float32]
+
+
+def ref_experts(x, top_k_index, top_k_weights, w_gate_up, w_down):
+    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)), token by token in float32."""
+    out = torch.zeros(x.shape[0], w_down.shape[1])
+    for t in range(x.shape[0]):
+        for j in range(top_k_index.shape[1]):
+            e = int(top_k_index[t, j])
+            gate, up = (w_gate_up[e] @ x[t].float()).chunk(2)
+            out[t] += float(top_k_weights[t, j]) * (w_down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantized_down", [True, False])
+def test_awq_experts_matches_reference(dtype, quantized_down):
+    e, h, i, group, tokens, top_k = 4, 64, 32, 32, 9, 2
+    gu = random_awq(h, 2 * i, group, e)
+    dn = random_awq(i, h, group, e)
+    mod = AwqExperts(e, h, i, group, "silu", True, quantized_down, dtype=dtype)
+    for part, t in zip(("qweight", "qzeros", "scales"), gu, strict=True):
+        getattr(mod, f"gate_up_{part}").copy_(t)
+    w_down = ref_weight(*dn, group)
+    if quantized_down:
+        for part, t in zip(("qweight", "qzeros", "scales"), dn, strict=True):
+            getattr(mod, f"down_{part}").copy_(t)
+    else:
+        mod.down_proj.data.copy_(w_down.to(dtype))
+        w_down = w_down.to(dtype).float()
+    x = torch.randn(tokens, h).to(dtype)
+    top_k_index = torch.randint(0, e - 1, (tokens, top_k))  # expert e-1 gets no token
+    top_k_weights = torch.rand(tokens, top_k)
+    y = mod(x, top_k_index, top_k_weights)
+    ref = ref_experts(x, top_k_index, top_k_weights, ref_weight(*gu, group), w_down)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert rel_err(y, ref) < TOL[dtype] * 2
+
+
+def test_awq_experts_is_a_drop_in_for_transformers_experts():
+    """Same call and result as transformers' DeepseekV3Experts holding the dequantized weights."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    config = transformers.DeepseekV3Config(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4)
+    e, h, i, group = 4, 64, 32, 32
+    gu, dn = random_awq(h, 2 * i, group, e), random_awq(i, h, group, e)
+    ours = AwqExperts(e, h, i, group, config.hidden_act, dtype=torch.float32)
+    for prefix, tensors in (("gate_up", gu), ("down", dn)):
+        for part, t in zip(("qweight", "qzeros", "scales"), tensors, strict=True):
+            getattr(ours, f"{prefix}_{part}").copy_(t)
+    theirs = DeepseekV3Experts(config)
+    with torch.no_grad():
+        theirs.gate_up_proj.copy_(ref_weight(*gu, group))
+        theirs.down_proj.copy_(ref_weight(*dn, group))
+    x = torch.randn(7, h)
+    idx = torch.stack([torch.randperm(e)[:2] for _ in range(7)])
+    w = torch.rand(7, 2)
+    ref = theirs(x, idx, w)
+    assert rel_err(ours(x, idx, w), ref) < TOL[torch.float32]
+    # ids outside [0, E) (expert-parallel masking) contribute nothing, as in transformers
+    idx[0, 0] = e
+    assert rel_err(ours(x, idx, w), theirs(x, idx, w)) < TOL[torch.float32]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_awq_linear_cuda_kernel_graph_and_compile(dtype):
+    k, n, group = 512, 256, 128
+    qweight, qzeros, scales = random_awq(k, n, group)
+    mod = AwqLinear.from_tensors(qweight, qzeros, scales, group).cuda()
+    x = torch.randn(3, k, device="cuda", dtype=dtype)
+    ref = x.float().cpu() @ ref_weight(qweight, qzeros, scales, group).T
+    assert rel_err(mod(x).cpu(), ref) < TOL[dtype]
+    # CUDA graph capture and replay
+    static_x = x.clone()
+    mod(static_x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = mod(static_x)
+    static_x.copy_(x * 2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(static_y.cpu(), 2 * ref) < TOL[dtype]
+    compiled = torch.compile(mod, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        y = compiled(x)
+    assert rel_err(y.cpu(), ref) < TOL[dtype]
+
+
+@pytest.mark.cuda
+def test_awq_experts_cuda():
+    e, h, i, group = 4, 256, 128, 128
+    gu, dn = random_awq(h, 2 * i, group, e), random_awq(i, h, group, e)
+    mod = AwqExperts(e, h, i, group, dtype=torch.bfloat16)
+    for prefix, tensors in (("gate_up", gu), ("down", dn)):
+        for part, t in zip(("qweight", "qzeros", "scales"), tensors, strict=True):
+            getattr(mod, f"{prefix}_{part}").copy_(t)
+    mod = mod.cuda()
+    x = torch.randn(6, h, dtype=torch.bfloat16)
+    idx, w = torch.randint(0, e, (6, 2)), torch.rand(6, 2)
+    y = mod(x.cuda(), idx.cuda(), w.cuda()).cpu()
+    ref = ref_experts(x, idx, w, ref_weight(*gu, group), ref_weight(*dn, group))
+    assert rel_err(y, ref) < TOL[torch.bfloat16] * 2
