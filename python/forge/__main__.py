@@ -72,10 +72,40 @@ def main(argv: list[str] | None = None) -> int:
         return _eval_main(args[2:])
     if args:
         args[0] = "forge-rs"
-    # Ctrl-C stops the run at once, as it does for the binary; `--resume` continues it.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # Ctrl-C stops a native run at once, as it does for the binary; `--resume` continues it.
+    prev = signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.stdout.flush()
-    return int(_native.cli_main(args))
+    out = _native.cli_main(args)
+    if isinstance(out, int):
+        return out
+    # A calibrated run (--method gptq): the forward pass runs here, in Python.
+    signal.signal(signal.SIGINT, prev)
+    return _calibrate_main(*out)
+
+
+def _calibrate_main(model_dir: str, out_dir: str, options: dict, as_json: bool) -> int:
+    import json
+
+    from .api import quantize_model
+    from .errors import ForgeError
+
+    try:
+        r = quantize_model(model_dir, out_dir, **options)
+    except KeyboardInterrupt:
+        print("forge-rs: interrupted; rerun with --resume to continue", file=sys.stderr)
+        return 130
+    except (ForgeError, OSError) as exc:
+        print(f"forge-rs: error: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(r.__dict__, indent=2))
+    else:
+        print(
+            f"quantized {r.quantized} linears ({r.arch} family, {r.quantizer}) in {r.seconds:.1f}s "
+            f"into {r.shards} shard(s); report: {out_dir}/forge_report.md",
+            file=sys.stderr,
+        )
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,13 +7,12 @@ Glue only: options are passed to the Rust orchestrator (`forge-run`, the same co
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from . import _native
 
-__all__ = ["QuantizeReport", "VerifyReport", "quantize_model", "inspect", "verify"]
+__all__ = ["QuantizeReport", "VerifyReport", "default_options", "quantize_model", "inspect", "verify"]
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,7 @@ class QuantizeReport:
     arch: str
     """Detected model family (``deepseek``, ``qwen-moe``, ``mixtral``, ``generic``)."""
     quantizer: str
-    """``rtn-range`` or ``rtn-mse``."""
+    """``rtn-range``, ``rtn-mse``, ``gptq-range`` or ``gptq-mse``."""
     quantized: int
     """Number of linears written as qweight/qzeros/scales."""
     modules_to_not_convert: list[str]
@@ -54,80 +53,73 @@ class VerifyReport:
     shards: int
 
 
-def _patterns(name: str, value: str | Iterable[str] | None) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    out = list(value)
-    if not all(isinstance(p, str) for p in out):
-        raise TypeError(f"{name} must be a string or an iterable of strings")
-    return out
+def default_options() -> dict[str, Any]:
+    """Every option of :func:`quantize_model` with its default (defined once, in the Rust run)."""
+    return _native.default_options()
 
 
 def quantize_model(
-    model_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    method: Literal["rtn", "mse"] = "rtn",
-    group_size: int = 128,
-    symmetric: bool = False,
-    exclude: str | Sequence[str] = (),
-    include: str | Sequence[str] | None = None,
-    max_shard_size: str | int = "5GB",
-    resume: bool = False,
-    overwrite: bool = False,
-    threads: int | None = None,
-    progress: bool = True,
-    *,
-    device: str = "cpu",
-    default_excludes: bool = True,
-    skip_unpackable: bool = False,
-    mse_grid: int = 100,
-    mse_shrink: float = 0.2,
-    mse_norm: float = 2.4,
+    model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], **options: Any
 ) -> QuantizeReport:
     """Quantizes a Hugging Face safetensors folder to a 4-bit AWQ ("gemm") folder that vLLM loads.
 
     The model is streamed one decoder layer at a time (memory bounded by one layer); every linear
     inside the decoder layers is quantized except routers, norms, embeddings, ``lm_head``, MTP
-    layers and the family's default exclusions (DeepSeek: ``kv_b_proj``; turn off with
-    ``default_excludes=False``). Patterns in ``exclude`` / ``include`` select modules by whole
-    dotted name segments (``"kv_b_proj"``, ``"self_attn"``, ``"mlp.experts"``) or by glob (``*``).
+    layers and the family's default exclusions (DeepSeek: ``kv_b_proj``).
 
-    ``method="rtn"`` rounds to nearest on the min/max grid; ``"mse"`` refines each group's scale
-    with the MSE / L^p search first. ``resume=True`` continues an interrupted run in ``out_dir``
-    and produces the same bytes as an uninterrupted one; a non-empty ``out_dir`` is refused
-    unless ``overwrite`` or ``resume``. ``device="cuda"`` (or ``"cuda:N"``) runs the grid and
-    the fused quantize+pack on the GPU; the output bytes are identical to a CPU run.
+    Options (keywords; :func:`default_options` lists them with their defaults, and the same
+    names, with ``-`` for ``_``, are ``forge-rs quantize`` flags):
+
+    * ``method``: ``"rtn"`` (data-free round to nearest, in Rust) or ``"gptq"`` (calibrated:
+      layer-by-layer forward over ``calib`` text, per-expert Hessians, error propagation).
+    * ``group_size`` (32/64/128), ``symmetric``, ``grid`` (``"range"`` or ``"mse"``, with
+      ``mse_grid``, ``mse_shrink``, ``mse_norm``), ``include`` / ``exclude`` (module patterns:
+      dotted segments such as ``"kv_b_proj"`` or globs), ``default_excludes``,
+      ``skip_unpackable``, ``max_shard_size`` (``"5GB"`` or bytes).
+    * GPTQ: ``calib`` (text, ``.jsonl`` with ``text``, or token ids ``.json``/``.pt``),
+      ``nsamples``, ``seqlen``, ``seed``, ``damp``, ``act_order``, ``block_size``,
+      ``true_sequential``, ``hessian`` (``"full"``/``"block"``), ``few_tokens``
+      (``"pooled"``/``"rtn"``), ``few_tokens_threshold``, ``chunk_tokens``, ``activations``
+      (``"auto"``/``"gpu"``/``"cpu"``/``"disk"``), ``offload_dir``.
+    * Run: ``resume``, ``overwrite``, ``threads``, ``device`` (``"cpu"``, ``"cuda"``,
+      ``"cuda:N"``), ``progress``.
+
+    A non-empty ``out_dir`` is refused unless ``overwrite`` or ``resume``; ``resume=True``
+    continues an interrupted run and writes the same bytes as an uninterrupted one.
 
     Raises ``forge.errors.CheckpointError`` for unreadable or inconsistent input,
     ``ShapeError`` when a selected linear cannot be packed with ``group_size``,
-    ``InvalidValueError`` for NaN/Inf weights or bad options, ``OSError`` for I/O failures
-    (e.g. a full disk).
+    ``InvalidValueError`` for NaN/Inf weights or bad options, ``OSError`` for I/O failures.
     """
-    if isinstance(max_shard_size, int):
-        max_shard_size = str(max_shard_size)
-    out = _native.quantize_model(
-        os.fspath(model_dir),
-        os.fspath(out_dir),
-        method=method,
-        group_size=group_size,
-        symmetric=symmetric,
-        exclude=_patterns("exclude", exclude),
-        include=_patterns("include", include),
-        default_excludes=default_excludes,
-        skip_unpackable=skip_unpackable,
-        max_shard_size=max_shard_size,
-        resume=resume,
-        overwrite=overwrite,
-        threads=threads,
-        device=device,
-        progress=progress,
-        mse_grid=mse_grid,
-        mse_shrink=mse_shrink,
-        mse_norm=mse_norm,
-    )
+    for k in ("include", "exclude"):
+        if isinstance(options.get(k), str):
+            options[k] = [options[k]]
+        elif options.get(k) is not None:
+            options[k] = list(options[k])
+    for k in ("calib", "offload_dir"):
+        if options.get(k) is not None:
+            options[k] = os.fspath(options[k])
+    opts = _native.validate_options(_json(options))
+    if opts["method"] == "gptq":
+        from .calibrate import quantize_gptq
+
+        out = quantize_gptq(model_dir, out_dir, opts)
+    else:
+        out = _native.quantize_model(os.fspath(model_dir), os.fspath(out_dir), _json(options))
     return QuantizeReport(**out)
+
+
+def _json(options: dict[str, Any]) -> str:
+    import json
+
+    from .errors import InvalidValueError
+
+    try:
+        return json.dumps(options)
+    except TypeError as exc:
+        raise InvalidValueError(
+            f"options must be plain values (str, int, float, bool, lists): {exc}"
+        ) from exc
 
 
 def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -31,6 +31,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::hessian_update_segmented, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(run::quantize_model, m)?)?;
+    m.add_function(wrap_pyfunction!(run::default_options, m)?)?;
+    m.add_function(wrap_pyfunction!(run::validate_options, m)?)?;
+    m.add_class::<run::Session>()?;
+    m.add_class::<run::MappedTensor>()?;
     m.add_function(wrap_pyfunction!(run::inspect, m)?)?;
     m.add_function(wrap_pyfunction!(run::verify, m)?)?;
     m.add_function(wrap_pyfunction!(run::cli_main, m)?)?;

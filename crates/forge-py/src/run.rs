@@ -1,19 +1,25 @@
-//! Bindings of the quantization run (`forge-run`): `quantize_model`, `inspect`, `verify` and
-//! `cli_main`. Type and error conversion only; the GIL is released while Rust works.
+//! Bindings of the quantization run (`forge-run`): the options, the data-free
+//! `quantize_model`, the [`Session`] a calibrated run drives from Python, `inspect`,
+//! `verify` and `cli_main`. Type and error conversion only; the GIL is released while
+//! Rust works.
 
+use std::os::raw::c_int;
 use std::path::PathBuf;
+use std::sync::Arc;
 
-use forge_core::grid::GridMode;
-use forge_core::MseSpec;
-use forge_run::arch::Pattern;
-use forge_run::run::{Progress, RunOptions};
-use forge_run::{Error, QuantOptions};
-use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError};
+use forge_core::QMeta;
+use forge_io::{Checkpoint, Dtype};
+use forge_run::cli::Outcome;
+use forge_run::plan::Action;
+use forge_run::run::Progress;
+use forge_run::{Error, Options};
+use pyo3::exceptions::{PyBufferError, PyFileNotFoundError, PyOSError, PyPermissionError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use serde_json::Value;
 
 use crate::errors::raise;
+use crate::tensor::{DType, Tensor};
 
 /// Maps a run error to its Python exception.
 fn run_err(py: Python<'_>, e: Error) -> PyErr {
@@ -77,6 +83,18 @@ fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
     })
 }
 
+/// Parses options given as a JSON string (Python serialises its dict with `json.dumps`).
+fn options_from(py: Python<'_>, json: &str) -> PyResult<Options> {
+    let v: Value = serde_json::from_str(json).map_err(|e| {
+        raise(
+            py,
+            "InvalidValueError",
+            format!("options are not JSON-serialisable values: {e}"),
+        )
+    })?;
+    Options::from_json(&v).map_err(|e| run_err(py, e))
+}
+
 /// Progress for Python: the indicatif bar (when asked for and stderr is a terminal), and a
 /// check for KeyboardInterrupt between units.
 struct PyProgress {
@@ -116,77 +134,32 @@ impl Progress for PyProgress {
     }
 }
 
-fn patterns(py: Python<'_>, option: &str, v: Vec<String>) -> PyResult<Vec<Pattern>> {
-    forge_run::cli::patterns(option, &v).map_err(|e| run_err(py, e))
+/// Every option with its default, as a dict.
+#[pyfunction]
+pub fn default_options(py: Python<'_>) -> PyResult<Py<PyAny>> {
+    to_py(py, &Options::default().to_json())
 }
 
-/// Quantizes a checkpoint folder to 4-bit AWQ; returns the run report as a dict.
+/// Validates options (a JSON string of a dict) and returns them complete, as a dict.
 #[pyfunction]
-#[pyo3(signature = (model_dir, out_dir, *, method = "rtn", group_size = 128, symmetric = false,
-    exclude = Vec::new(), include = Vec::new(), default_excludes = true, skip_unpackable = false,
-    max_shard_size = "5GB".to_string(), resume = false, overwrite = false, threads = None, device = "cpu".to_string(),
-    progress = true, mse_grid = 100, mse_shrink = 0.2, mse_norm = 2.4))]
-#[allow(clippy::too_many_arguments)]
+pub fn validate_options(py: Python<'_>, options: &str) -> PyResult<Py<PyAny>> {
+    let o = options_from(py, options)?;
+    to_py(py, &o.to_json())
+}
+
+/// Quantizes a checkpoint folder data-free; `options` is a JSON string of a dict.
+#[pyfunction]
 pub fn quantize_model(
     py: Python<'_>,
     model_dir: PathBuf,
     out_dir: PathBuf,
-    method: &str,
-    group_size: usize,
-    symmetric: bool,
-    exclude: Vec<String>,
-    include: Vec<String>,
-    default_excludes: bool,
-    skip_unpackable: bool,
-    max_shard_size: String,
-    resume: bool,
-    overwrite: bool,
-    threads: Option<usize>,
-    device: String,
-    progress: bool,
-    mse_grid: usize,
-    mse_shrink: f32,
-    mse_norm: f32,
+    options: &str,
 ) -> PyResult<Py<PyAny>> {
-    let grid = match method {
-        "rtn" | "range" => GridMode::Range,
-        "mse" => {
-            let m = MseSpec {
-                max_shrink: mse_shrink,
-                n_grid: mse_grid,
-                norm: mse_norm,
-            };
-            m.validate()
-                .map_err(|e| raise(py, "InvalidValueError", e.to_string()))?;
-            GridMode::Mse(m)
-        }
-        other => {
-            return Err(raise(
-                py,
-                "InvalidValueError",
-                format!("method must be \"rtn\" or \"mse\", got {other:?}"),
-            ))
-        }
-    };
-    let opts = RunOptions {
-        quant: QuantOptions {
-            group_size,
-            symmetric,
-            grid,
-            include: patterns(py, "include", include)?,
-            exclude: patterns(py, "exclude", exclude)?,
-            default_excludes,
-            skip_unpackable,
-            max_shard_bytes: forge_run::cli::parse_size(&max_shard_size)
-                .map_err(|e| run_err(py, e))?,
-        },
-        resume,
-        overwrite,
-        threads,
-        cuda_device: forge_run::cli::parse_device(&device).map_err(|e| run_err(py, e))?,
-    };
+    let opts = options_from(py, options)?;
     let prog = PyProgress {
-        bar: progress.then(|| forge_run::cli::BarProgress::new(true)),
+        bar: opts
+            .progress
+            .then(|| forge_run::cli::BarProgress::new(true)),
         interrupted: std::sync::Mutex::new(None),
     };
     let result = crate::errors::detach_guarded(py, "quantize_model", || {
@@ -198,6 +171,289 @@ pub fn quantize_model(
     }
     let report = result.map_err(|e| run_err(py, e))?;
     to_py(py, &report.to_json())
+}
+
+/// Read-only bytes of one source tensor inside the checkpoint's memory map,
+/// exposed through the buffer protocol (`torch.frombuffer` makes a tensor of it
+/// without a copy). Keeps the maps alive while any view of it exists.
+#[pyclass(module = "forge._native", frozen)]
+pub struct MappedTensor {
+    _ckpt: Arc<Checkpoint>,
+    ptr: usize,
+    len: isize,
+    /// Name of the tensor.
+    #[pyo3(get)]
+    name: String,
+    /// safetensors dtype (`BF16`, `F8_E4M3`, ...).
+    #[pyo3(get)]
+    dtype: String,
+    /// Shape.
+    #[pyo3(get)]
+    shape: Vec<usize>,
+    /// File holding it.
+    #[pyo3(get)]
+    file: String,
+}
+
+#[pymethods]
+impl MappedTensor {
+    /// # Safety
+    /// Called by Python's buffer protocol with a valid `view`.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("null view"));
+        }
+        if (flags & pyo3::ffi::PyBUF_WRITABLE) == pyo3::ffi::PyBUF_WRITABLE {
+            return Err(PyBufferError::new_err(
+                "checkpoint tensors are read-only (memory-mapped)",
+            ));
+        }
+        let this = slf.get();
+        // SAFETY: `view` is valid per the protocol; the fields point into `this`,
+        // which lives while `view.obj` holds a reference to it.
+        unsafe {
+            (*view).obj = slf.clone().into_any().into_ptr();
+            (*view).buf = this.ptr as *mut std::os::raw::c_void;
+            (*view).len = this.len;
+            (*view).readonly = 1;
+            (*view).itemsize = 1;
+            (*view).format = if (flags & pyo3::ffi::PyBUF_FORMAT) == pyo3::ffi::PyBUF_FORMAT {
+                c"B".as_ptr() as *mut _
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).ndim = 1;
+            (*view).shape = if (flags & pyo3::ffi::PyBUF_ND) == pyo3::ffi::PyBUF_ND {
+                &this.len as *const isize as *mut isize
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).strides = if (flags & pyo3::ffi::PyBUF_STRIDES) == pyo3::ffi::PyBUF_STRIDES {
+                &(*view).itemsize as *const isize as *mut isize
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).suboffsets = std::ptr::null_mut();
+            (*view).internal = std::ptr::null_mut();
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by Python's buffer protocol.
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    fn __len__(&self) -> usize {
+        self.len as usize
+    }
+}
+
+fn dtype_name(d: Dtype) -> String {
+    format!("{d:?}")
+}
+
+/// A quantization run driven from Python (the calibrated GPTQ run): Rust reads, plans,
+/// writes and resumes; Python runs the forward pass and the solver. See
+/// `forge_run::session`.
+#[pyclass(module = "forge._native", unsendable)]
+pub struct Session {
+    inner: Option<forge_run::Session>,
+}
+
+impl Session {
+    fn get(&self, py: Python<'_>) -> PyResult<&forge_run::Session> {
+        self.inner
+            .as_ref()
+            .ok_or_else(|| raise(py, "CheckpointError", "the session is finished"))
+    }
+}
+
+#[pymethods]
+impl Session {
+    /// Opens a run (plan, output folder, resume); `options` is a JSON string of a dict.
+    #[new]
+    fn new(py: Python<'_>, model_dir: PathBuf, out_dir: PathBuf, options: &str) -> PyResult<Self> {
+        let opts = options_from(py, options)?;
+        let s = crate::errors::detach_guarded(py, "session", || {
+            forge_run::Session::open(&model_dir, &out_dir, &opts)
+        })?
+        .map_err(|e| run_err(py, e))?;
+        Ok(Session { inner: Some(s) })
+    }
+
+    /// The validated options (every key).
+    fn options(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        to_py(py, &self.get(py)?.options().to_json())
+    }
+
+    /// The source config.json (None when absent).
+    fn config(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        to_py(py, self.get(py)?.config())
+    }
+
+    /// Family name, notes, modules_to_not_convert and whether the source is FP8.
+    fn summary(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let s = self.get(py)?;
+        let p = s.plan();
+        let (resumed, resumed_bytes) = s.resumed();
+        to_py(
+            py,
+            &serde_json::json!({
+                "arch": p.arch.name,
+                "notes": p.notes,
+                "modules_to_not_convert": p.not_convert,
+                "fp8_source": p.fp8_source,
+                "resumed_units": resumed,
+                "resumed_bytes": resumed_bytes,
+                "fp8_block": forge_io::FP8_BLOCK,
+            }),
+        )
+    }
+
+    /// The units in processing order: key, label, layer, mtp, done, bytes_in, linears
+    /// (module, weight, n, k) and tensors (name, action).
+    fn units(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let s = self.get(py)?;
+        let units: Vec<Value> = s
+            .plan()
+            .units
+            .iter()
+            .enumerate()
+            .map(|(i, u)| {
+                serde_json::json!({
+                    "index": i,
+                    "key": u.key,
+                    "label": u.label,
+                    "layer": u.layer,
+                    "mtp": u.mtp,
+                    "done": s.is_done(i),
+                    "bytes_in": u.bytes_in,
+                    "linears": u.linears.iter().map(|l| serde_json::json!({
+                        "module": l.module, "weight": l.weight, "n": l.n, "k": l.k
+                    })).collect::<Vec<_>>(),
+                    "tensors": u.tensors.iter().map(|(name, a)| serde_json::json!({
+                        "name": name,
+                        "action": match a {
+                            Action::Quantize(_) => "quantize",
+                            Action::Copy => "copy",
+                            Action::ToBf16 => "to_bf16",
+                            Action::Drop => "drop",
+                        }
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        to_py(py, &Value::Array(units))
+    }
+
+    /// Whether the source holds a tensor of this name.
+    fn has_tensor(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
+        Ok(self.get(py)?.checkpoint().get(name).is_some())
+    }
+
+    /// A zero-copy view of a source tensor's bytes (see `MappedTensor`).
+    fn tensor(&self, py: Python<'_>, name: &str) -> PyResult<MappedTensor> {
+        let s = self.get(py)?;
+        let ckpt = s.checkpoint_arc();
+        let t = ckpt.tensor(name).map_err(|e| run_err(py, e.into()))?;
+        Ok(MappedTensor {
+            ptr: t.bytes.as_ptr() as usize,
+            len: t.bytes.len() as isize,
+            name: name.to_owned(),
+            dtype: dtype_name(t.dtype),
+            shape: t.shape.to_vec(),
+            file: t.file.display().to_string(),
+            _ckpt: Arc::clone(&ckpt),
+        })
+    }
+
+    /// Writes unit `index`'s unquantized tensors (copies; FP8 → bf16).
+    fn write_unquantized(&self, py: Python<'_>, index: usize) -> PyResult<()> {
+        let s = self.get(py)?;
+        crate::errors::detach_guarded(py, "write_unquantized", || s.write_unquantized(index))?
+            .map_err(|e| run_err(py, e))
+    }
+
+    /// Packs and writes a quantized linear from its codes `(K, N)` uint8 and its grid
+    /// `(N, K/G, 4)` uint8 (CPU tensors).
+    fn write_linear(
+        &self,
+        py: Python<'_>,
+        module: &str,
+        codes: &Bound<'_, PyAny>,
+        qmeta: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let s = self.get(py)?;
+        let c = Tensor::extract("codes", codes)?;
+        let q = Tensor::extract("qmeta", qmeta)?;
+        for t in [&c, &q] {
+            t.require_cpu()?;
+            t.require_dtype(&[DType::U8])?;
+        }
+        if q.numel() % 4 != 0 {
+            return Err(raise(
+                py,
+                "ShapeError",
+                format!("qmeta: expected (N, K/G, 4) uint8, got {:?}", q.shape),
+            ));
+        }
+        // SAFETY: contiguous CPU tensors alive for this call (held by `c`/`q`).
+        let codes: &[u8] = unsafe { c.slice::<u8>() };
+        let raw: &[u8] = unsafe { q.slice::<u8>() };
+        let qm: Vec<QMeta> = raw
+            .chunks_exact(4)
+            .map(|b| QMeta(u32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+            .collect();
+        crate::errors::detach_guarded(py, "write_linear", || s.write_linear(module, codes, &qm))?
+            .map_err(|e| run_err(py, e))
+    }
+
+    /// Where to write the state recorded with unit `index`'s commit.
+    fn state_path(&self, py: Python<'_>, index: usize) -> PyResult<PathBuf> {
+        self.get(py)?.state_path(index).map_err(|e| run_err(py, e))
+    }
+
+    /// `(unit key, path)` of the state recorded with the last finished layer, or None.
+    fn resume_state(&self, py: Python<'_>) -> PyResult<Option<(String, PathBuf)>> {
+        Ok(self.get(py)?.resume_state())
+    }
+
+    /// Marks unit `index` finished (every output written), recording `state` with it.
+    #[pyo3(signature = (index, state = None))]
+    fn commit(&mut self, py: Python<'_>, index: usize, state: Option<PathBuf>) -> PyResult<()> {
+        let s = self
+            .inner
+            .as_mut()
+            .ok_or_else(|| raise(py, "CheckpointError", "the session is finished"))?;
+        s.commit(index, state.as_deref())
+            .map_err(|e| run_err(py, e))
+    }
+
+    /// Publishes the output (index, side files, `extra` {file name: bytes}, config.json last)
+    /// and returns the run report.
+    #[pyo3(signature = (extra = None))]
+    fn finish(
+        &mut self,
+        py: Python<'_>,
+        extra: Option<Vec<(String, Py<PyBytes>)>>,
+    ) -> PyResult<Py<PyAny>> {
+        let files: Vec<(String, Vec<u8>)> = extra
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(n, b)| (n, b.as_bytes(py).to_vec()))
+            .collect();
+        let s = self
+            .inner
+            .take()
+            .ok_or_else(|| raise(py, "CheckpointError", "the session is finished"))?;
+        let report = crate::errors::detach_guarded(py, "finish", || s.finish(&files))?
+            .map_err(|e| run_err(py, e))?;
+        to_py(py, &report.to_json())
+    }
 }
 
 /// Summarises a checkpoint folder (layers, experts, dtypes, sizes, quantization status).
@@ -216,8 +472,27 @@ pub fn verify(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
     to_py(py, &r.to_json())
 }
 
-/// Runs the `forge-rs` command line on `argv` (program name first); returns the exit code.
+/// Runs the `forge-rs` command line on `argv` (program name first). Returns the exit
+/// code, or `(model_dir, out_dir, options, json)` when the command asks for a calibrated
+/// run, which the Python package then performs.
 #[pyfunction]
-pub fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
-    crate::errors::detach_guarded(py, "cli", || forge_run::cli::main(argv))
+pub fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<Py<PyAny>> {
+    let o = crate::errors::detach_guarded(py, "cli", || forge_run::cli::dispatch(argv))?;
+    match o {
+        Outcome::Exit(code) => Ok(code.into_pyobject(py)?.into_any().unbind()),
+        Outcome::Calibrate {
+            model_dir,
+            out_dir,
+            options,
+            json,
+        } => {
+            let t = (
+                model_dir.display().to_string(),
+                out_dir.display().to_string(),
+                to_py(py, &options)?,
+                json,
+            );
+            Ok(t.into_pyobject(py)?.into_any().unbind())
+        }
+    }
 }

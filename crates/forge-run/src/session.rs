@@ -24,6 +24,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use forge_core::pack::{pack_awq, AwqTensors};
@@ -45,7 +46,7 @@ pub const STATE_DIR: &str = "forge-state";
 
 /// An open run. See the module documentation.
 pub struct Session {
-    ckpt: Checkpoint,
+    ckpt: Arc<Checkpoint>,
     config: Value,
     plan: RunPlan,
     opts: Options,
@@ -206,7 +207,7 @@ impl Session {
             }
         }
         let s = Session {
-            ckpt,
+            ckpt: Arc::new(ckpt),
             config,
             notes: plan.notes.clone(),
             plan,
@@ -240,6 +241,12 @@ impl Session {
     /// The source checkpoint (zero-copy tensor views).
     pub fn checkpoint(&self) -> &Checkpoint {
         &self.ckpt
+    }
+
+    /// A shared handle on the source checkpoint (keeps its maps alive for
+    /// zero-copy views handed to another language).
+    pub fn checkpoint_arc(&self) -> Arc<Checkpoint> {
+        Arc::clone(&self.ckpt)
     }
 
     /// The plan: units in processing order (non-layer tensors first).

@@ -1,0 +1,1021 @@
+"""The calibrated GPTQ run: a layer-by-layer forward over calibration text that feeds GPTQ.
+
+Data flow (one engine for GPTQ and router statistics):
+
+* Rust (``forge._native.Session``) plans the checkpoint, prepares or resumes the output
+  folder, hands out every source tensor as a zero-copy view of its memory map, packs and
+  writes each quantized linear at its planned offset, and records finished units (with
+  this module's resume state) in the manifest. It writes ``config.json`` last.
+* This module owns the forward pass: the embeddings of all calibration windows are computed
+  once; then each decoder layer is built from the model family's own transformers class
+  (meta device, weights assigned from the views, FP8 dequantised on the compute device),
+  run over the calibration hidden states with hooks that accumulate ``H = XᵀX`` (fp32) per
+  linear, solved with GPTQ stage by stage (``true_sequential``), its dequantized weights
+  swapped in, and run again to produce the next layer's inputs.
+* Routed experts are handled expert-major: the MoE block's inputs, top-k ids and weights
+  are collected for every calibration token, then each expert's gate/up share one Hessian
+  over exactly its routed tokens, its down gets one over its own intermediate activations,
+  and its quantized output (times the router weight) is summed into the layer's routed
+  output. Experts with too few tokens fall back to a pooled Hessian or to RTN.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import _native
+from .errors import CheckpointError, InvalidValueError
+from .quant import build_quant_grid, dequantize_awq, gptq_quantize, pack_awq, quantize_rtn
+
+__all__ = ["quantize_gptq", "load_calibration", "hessian_error"]
+
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class _StopForward(Exception):
+    """Raised by a hook once everything a stage needs from a forward pass is captured."""
+
+
+# --------------------------------------------------------------------------------------
+# Calibration data
+
+
+def load_calibration(
+    path: str | os.PathLike, tokenizer, nsamples: int, seqlen: int, seed: int = 0
+) -> torch.Tensor:
+    """``(nsamples, seqlen)`` int64 token windows from a calibration file.
+
+    Plain text (any extension), ``.jsonl`` (one object per line with a ``text`` field),
+    or token ids: ``.json`` (a list of ints, or of lists) and ``.pt`` (an integer tensor,
+    loaded with ``weights_only=True``). Windows start at seeded random offsets of the
+    concatenated token stream (documents joined by the tokenizer's EOS token).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidValueError(f"calib: {p} is not a file")
+    suffix = p.suffix.lower()
+    ids: list[int]
+    if suffix == ".pt":
+        t = torch.load(p, map_location="cpu", weights_only=True)
+        if not isinstance(t, torch.Tensor) or t.is_floating_point():
+            raise InvalidValueError(f"calib: {p} must hold an integer tensor of token ids")
+        ids = t.flatten().tolist()
+    elif suffix == ".json":
+        try:
+            v = json.loads(p.read_text())
+        except ValueError as exc:
+            raise InvalidValueError(f"calib: {p} is not valid JSON: {exc}") from exc
+        flat = (
+            [x for row in v for x in (row if isinstance(row, list) else [row])]
+            if isinstance(v, list)
+            else None
+        )
+        if not flat or not all(isinstance(x, int) for x in flat):
+            raise InvalidValueError(f"calib: {p} must hold a list of token ids (ints, or lists of ints)")
+        ids = flat
+    else:
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidValueError(f"calib: {p} is not UTF-8 text ({exc})") from exc
+        if suffix == ".jsonl":
+            docs = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as exc:
+                    raise InvalidValueError(f"calib: {p} line {n} is not JSON: {exc}") from exc
+                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                    raise InvalidValueError(f'calib: {p} line {n} has no string "text" field')
+                docs.append(obj["text"])
+        else:
+            docs = [text]
+        if tokenizer is None:
+            raise CheckpointError("the model folder has no tokenizer; pass token ids (.json or .pt) as calib")
+        eos = getattr(tokenizer, "eos_token_id", None)
+        ids = []
+        for d in docs:
+            if not d.strip():
+                continue
+            if ids and eos is not None:
+                ids.append(int(eos))
+            ids.extend(tokenizer(d, add_special_tokens=False)["input_ids"])
+    if len(ids) < seqlen:
+        raise InvalidValueError(
+            f"calib: {p} holds {len(ids)} tokens, fewer than one window of seqlen={seqlen}; "
+            "give more text or a smaller seqlen"
+        )
+    stream = torch.tensor(ids, dtype=torch.int64)
+    rng = random.Random(seed)
+    starts = [rng.randint(0, len(ids) - seqlen) for _ in range(nsamples)]
+    return torch.stack([stream[s : s + seqlen] for s in starts])
+
+
+# --------------------------------------------------------------------------------------
+# Hessians and the GPTQ step
+
+
+def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
+    """Relative output error ``‖X(W−Ŵ)ᵀ‖² / ‖XWᵀ‖²`` from ``H = XᵀX`` (W is ``(N, K)``)."""
+    w = w.float()
+    d = w - w_hat.float()
+    num = ((d @ h) * d).sum()
+    den = ((w @ h) * w).sum()
+    return float(num / den) if float(den) > 0 else 0.0
+
+
+class _Hessian:
+    """``XᵀX`` in fp32 over the calibration tokens that reach one linear (full or block-diagonal)."""
+
+    def __init__(self, k: int, device: torch.device, block: int | None):
+        self.k, self.block, self.tokens = k, block, 0
+        if block:
+            self.h = torch.zeros(k // block, block, block, dtype=torch.float32, device=device)
+        else:
+            self.h = torch.zeros(k, k, dtype=torch.float32, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1])
+        if x.shape[0] == 0:
+            return
+        if not bool(torch.isfinite(x).all()):
+            raise InvalidValueError("calibration activations hold NaN or Inf")
+        self.tokens += x.shape[0]
+        x = x.to(self.h.device)
+        if self.block:
+            xb = x.float().view(x.shape[0], self.k // self.block, self.block).transpose(0, 1)
+            self.h.baddbmm_(xb.transpose(1, 2), xb)
+        elif x.is_cuda and x.dtype == torch.bfloat16:
+            self.h += torch.mm(x.t(), x, out_dtype=torch.float32)  # tensor cores, exact products
+        else:
+            xf = x.float()
+            self.h.addmm_(xf.t(), xf)
+
+    def full(self) -> torch.Tensor:
+        if not self.block:
+            return self.h
+        return torch.block_diag(*self.h.unbind(0))
+
+
+@dataclass
+class _Solved:
+    codes: torch.Tensor
+    qmeta: torch.Tensor
+    deq: torch.Tensor
+    info: dict
+
+
+def _solve(w: torch.Tensor, h: torch.Tensor | None, opts: dict, tokens: int, fallback: str | None) -> _Solved:
+    """GPTQ of one weight ``(N, K)`` with ``H`` (or RTN when ``h`` is None), plus its report row."""
+    g, sym, grid = opts["group_size"], opts["symmetric"], opts["grid"]
+    kw = dict(quant_max_shrink=opts["mse_shrink"], quant_n_grid=opts["mse_grid"], quant_norm=opts["mse_norm"])
+    w32 = w.float().contiguous()
+    t0 = time.perf_counter()
+    if h is None:
+        qmeta, _, _ = build_quant_grid(w32, g, 4, sym, grid, **kw)
+        codes = quantize_rtn(w32, qmeta, 4, g)
+        deq = _dequant(codes, qmeta, g).to(w32.device)
+        info = {"method": "rtn", "damp": None, "retries": 0, "dead": 0}
+    else:
+        r = gptq_quantize(w32, h, 4, g, sym, grid, opts["act_order"], opts["damp"], opts["block_size"], **kw)
+        codes, qmeta = r.codes, r.qmeta
+        # The weights the checkpoint will hold (fp16 scales), so later layers see exactly them.
+        deq = _dequant(codes, qmeta, g).to(w32.device)
+        info = {"method": "gptq", "damp": r.factor.damp, "retries": r.factor.retries, "dead": r.factor.dead}
+    info.update(tokens=tokens, fallback=fallback, seconds=time.perf_counter() - t0)
+    return _Solved(codes, qmeta, deq, info)
+
+
+def _dequant(codes: torch.Tensor, qmeta: torch.Tensor, g: int) -> torch.Tensor:
+    """``(N, K)`` float32 weight of codes ``(K, N)`` on a grid, through the AWQ layout."""
+    qw, qz, sc = pack_awq(codes.cpu(), qmeta.cpu(), g)
+    return dequantize_awq(qw, qz, sc, g).float()
+
+
+def _errors(w: torch.Tensor, s: _Solved, h: torch.Tensor | None, opts: dict) -> None:
+    """Adds GPTQ's and RTN's (same grid) relative output errors to the report row."""
+    if h is None:
+        s.info.update(err_gptq=None, err_rtn=None)
+        return
+    g = opts["group_size"]
+    rtn = _dequant(quantize_rtn(w.float().cpu(), s.qmeta.cpu(), 4, g), s.qmeta, g).to(h.device)
+    hh = h.float()
+    s.info.update(
+        err_gptq=hessian_error(w.to(h.device), s.deq.to(h.device), hh),
+        err_rtn=hessian_error(w.to(h.device), rtn, hh),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Activation storage
+
+
+class _Store:
+    """Per-chunk tensors kept on the compute device, in host memory, or in files."""
+
+    def __init__(self, where: str, device: torch.device, folder: Path | None):
+        self.where, self.device, self.folder = where, device, folder
+        self.items: list[Any] = []
+        if where == "disk" and folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def append(self, t: torch.Tensor) -> None:
+        self.items.append(None)
+        self[len(self.items) - 1] = t
+
+    def __setitem__(self, i: int, t: torch.Tensor) -> None:
+        if self.where == "gpu":
+            self.items[i] = t.to(self.device)
+        elif self.where == "cpu":
+            c = t.detach().to("cpu")
+            self.items[i] = c.pin_memory() if t.is_cuda else c
+        else:
+            assert self.folder is not None
+            p = self.folder / f"act-{id(self)}-{i}.pt"
+            torch.save(t.detach().cpu(), p)
+            self.items[i] = p
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        v = self.items[i]
+        if isinstance(v, Path):
+            return torch.load(v, map_location=self.device, weights_only=True)
+        return v.to(self.device, non_blocking=True)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def drop(self) -> None:
+        for v in self.items:
+            if isinstance(v, Path):
+                v.unlink(missing_ok=True)
+        self.items = []
+
+
+def _where(opts: dict, device: torch.device, nbytes: int) -> str:
+    want = opts["activations"]
+    if want != "auto":
+        return want
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if 4 * nbytes < 0.5 * free:
+            return "gpu"
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 1 << 62
+    if device.type == "cpu" or 4 * nbytes < 0.5 * avail:
+        return "cpu" if 4 * nbytes < 0.8 * avail else "disk"
+    return "disk"
+
+
+# --------------------------------------------------------------------------------------
+# Model families: what transformers calls things, and where the routed experts are
+
+
+@dataclass(frozen=True)
+class _Experts:
+    """Naming of a family's routed experts in the checkpoint."""
+
+    block: tuple[str, ...]  # attribute names of the MoE block inside the decoder layer
+    ckpt_block: tuple[str, ...]  # its name prefix in checkpoints (first found wins)
+    gate: str
+    up: str
+    down: str
+    scoring: str  # "sigmoid" or "softmax": how router probability mass is measured
+
+
+_FAMILY_EXPERTS = {
+    "deepseek": _Experts(("mlp",), ("mlp",), "gate_proj", "up_proj", "down_proj", "sigmoid"),
+    "qwen-moe": _Experts(("mlp",), ("mlp",), "gate_proj", "up_proj", "down_proj", "softmax"),
+    "mixtral": _Experts(
+        ("mlp", "block_sparse_moe"), ("block_sparse_moe", "mlp"), "w1", "w3", "w2", "softmax"
+    ),
+    "generic": _Experts(("mlp",), ("mlp",), "gate_proj", "up_proj", "down_proj", "softmax"),
+}
+
+
+def _tensor(sess, name: str) -> torch.Tensor:
+    mt = sess.tensor(name)
+    dt = _DTYPES.get(mt.dtype)
+    if dt is None:
+        raise CheckpointError(
+            f"{mt.file}: tensor {name!r} has dtype {mt.dtype}, which a forward pass cannot use"
+        )
+    shape = list(mt.shape)
+    if len(mt) == 0:
+        return torch.empty(shape, dtype=dt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only mmap: never written
+        t = torch.frombuffer(mt, dtype=torch.uint8)
+    return t.view(dt).reshape(shape)
+
+
+def _load_weight(sess, name: str, device: torch.device, dtype: torch.dtype, block: int) -> torch.Tensor:
+    """A source tensor on ``device``: FP8 times its ``weight_scale_inv`` per block, else cast."""
+    t = _tensor(sess, name)
+    if t.dtype == torch.float8_e4m3fn:
+        scale_name = f"{name}_scale_inv"
+        if not sess.has_tensor(scale_name):
+            raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name}")
+        s = _tensor(sess, scale_name).to(device, torch.float32)
+        w = t.to(device).float()
+        n, k = w.shape
+        sb = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+        if sb.shape != w.shape:
+            raise CheckpointError(
+                f"{scale_name}: shape {tuple(s.shape)} does not cover {name} {tuple(w.shape)} in {block}x{block} blocks"
+            )
+        return (w * sb).to(dtype)
+    if t.is_floating_point():
+        return t.to(
+            device=device, dtype=dtype if t.dtype != torch.float32 or dtype != torch.float32 else dtype
+        )
+    return t.to(device)
+
+
+# --------------------------------------------------------------------------------------
+# The routed experts during calibration
+
+
+class _RoutedExperts(torch.nn.Module):
+    """Replaces a transformers experts module (``forward(x, top_k_index, top_k_weights)``).
+
+    ``collect``: records inputs, ids and weights of every token and returns zeros.
+    ``replay``: returns the routed output computed expert-major after quantization.
+    ``run``: computes the routed output directly (per chunk; used when not sequential).
+    """
+
+    def __init__(self, weights: dict[int, list[torch.Tensor]], n_experts: int, act):
+        super().__init__()
+        self.w = weights  # expert id -> [gate (I, D), up (I, D), down (D, I)]
+        self.n_experts, self.act = n_experts, act
+        self.mode = "run"
+        self.collected: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.replay_rows: torch.Tensor | None = None
+        self.replay_at = 0
+        self.stats: _Stats | None = None
+
+    def forward(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if self.mode == "collect":
+            self.collected.append((x.detach(), top_k_index.detach(), top_k_weights.detach()))
+            return torch.zeros_like(x)
+        if self.mode == "zero":
+            return torch.zeros_like(x)
+        if self.mode == "replay":
+            assert self.replay_rows is not None
+            t = x.shape[0]
+            out = self.replay_rows[self.replay_at : self.replay_at + t].to(x.device, x.dtype)
+            self.replay_at += t
+            return out
+        return self.compute(x, top_k_index, top_k_weights)
+
+    def expert_out(self, e: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g, u, d = self.w[e]
+        a = self.act(F.linear(x, g)) * F.linear(x, u)
+        return a, F.linear(a, d)
+
+    def compute(self, x, idx, wts) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        k = idx.shape[1]
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            sel = order[start : start + c]
+            start += c
+            tok = sel // k
+            wt = wts.reshape(-1)[sel].float()
+            _, y = self.expert_out(e, x[tok])
+            if self.stats is not None:
+                self.stats.add_reap(e, wt * y.float().norm(dim=-1))
+            out.index_add_(0, tok, y.float() * wt[:, None])
+        return out.to(x.dtype)
+
+
+@dataclass
+class _Stats:
+    """Per-layer router statistics (token counts, probability mass, REAP saliency sums)."""
+
+    n: int
+    counts: torch.Tensor = field(init=False)
+    mass: torch.Tensor = field(init=False)
+    reap: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.counts = torch.zeros(self.n, dtype=torch.float64)
+        self.mass = torch.zeros(self.n, dtype=torch.float64)
+        self.reap = torch.zeros(self.n, dtype=torch.float64)
+
+    def add_routing(self, logits: torch.Tensor, idx: torch.Tensor, scoring: str) -> None:
+        lf = logits.float().reshape(-1, self.n)
+        p = lf.sigmoid() if scoring == "sigmoid" else lf.softmax(-1)
+        self.mass += p.sum(0).double().cpu()
+        self.counts += torch.bincount(idx.reshape(-1).cpu(), minlength=self.n).double()[: self.n]
+
+    def add_reap(self, e: int, v: torch.Tensor) -> None:
+        self.reap[e] += float(v.double().sum())
+
+
+# --------------------------------------------------------------------------------------
+# The run
+
+
+def _stages(names: list[str], moe: str | None, true_sequential: bool) -> list[list[str]]:
+    """Groups a layer's quantized linears (and the routed experts, ``"<experts>"``) in the
+    order the forward reaches them; each stage sees the quantized outputs of the earlier ones."""
+    rank = [
+        ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_proj", "self_attn.k_proj",
+         "self_attn.v_proj", "self_attn.qkv_proj"),
+        ("self_attn.q_b_proj", "self_attn.kv_b_proj"),
+        ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
+         "shared_expert.gate_proj", "shared_expert.up_proj", "<experts>"),
+        ("mlp.down_proj", "shared_experts.down_proj", "shared_expert.down_proj"),
+    ]  # fmt: skip
+    items = list(names) + (["<experts>"] if moe else [])
+    if not true_sequential:
+        return [items]
+    out: list[list[str]] = [[] for _ in range(len(rank) + 1)]
+    for n in items:
+        i = next(
+            (j for j, keys in enumerate(rank) if any(n == k or n.endswith("." + k) for k in keys)), len(rank)
+        )
+        out[i].append(n)
+    return [s for s in out if s]
+
+
+@dataclass
+class _Ctx:
+    sess: Any
+    opts: dict
+    cfg: Any
+    device: torch.device
+    dtype: torch.dtype
+    family: str
+    block: int
+    prefix: str
+    report: list[dict]
+    stats: dict[int, _Stats]
+    progress: bool
+    layer_seconds: dict[int, float]
+
+
+def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
+    """The decoder layer ``unit['layer']`` on the compute device, weights from the checkpoint;
+    routed experts moved into a :class:`_RoutedExperts` (per-expert weights)."""
+    li = unit["layer"]
+    layer = meta_layers[li]
+    layer.to_empty(device=ctx.device)
+    pre = f"{ctx.prefix}{li}."
+    fam = _FAMILY_EXPERTS.get(ctx.family, _FAMILY_EXPERTS["generic"])
+    names = {t["name"] for t in unit["tensors"]}
+    moe_attr = next((a for a in fam.block if hasattr(getattr(layer, a, None), "experts")), None)
+    routed = None
+    if moe_attr is not None:
+        block = getattr(layer, moe_attr)
+        ck = next((c for c in fam.ckpt_block if any(n.startswith(f"{pre}{c}.experts.") for n in names)), None)
+        if ck is None:
+            raise CheckpointError(
+                f"layer {li}: the model has routed experts but the checkpoint stores none as "
+                f"{pre}{fam.ckpt_block[0]}.experts.<e>.{fam.gate}.weight (per-expert tensors are required)"
+            )
+        n_exp = int(getattr(block.experts, "num_experts", 0) or len(block.gate.weight))
+        weights: dict[int, list[torch.Tensor]] = {}
+        for e in range(n_exp):
+            ws = []
+            for leaf in (fam.gate, fam.up, fam.down):
+                nm = f"{pre}{ck}.experts.{e}.{leaf}.weight"
+                if nm not in names:
+                    raise CheckpointError(f"layer {li}: missing tensor {nm!r}")
+                ws.append(_load_weight(ctx.sess, nm, ctx.device, ctx.dtype, ctx.block))
+            weights[e] = ws
+        routed = _RoutedExperts(weights, n_exp, block.experts.act_fn)
+        block.experts = routed
+        routed.ckpt_prefix = f"{pre}{ck}.experts."  # type: ignore[attr-defined]
+    # Every other parameter and buffer from the checkpoint.
+    missing = []
+    for pname, p in list(layer.named_parameters()) + list(layer.named_buffers()):
+        if routed is not None and ".experts." in f".{pname}.":
+            continue
+        cands = [pre + pname]
+        if moe_attr == "mlp":
+            cands.append(pre + pname.replace("mlp.", "block_sparse_moe.", 1))
+        src = next((c for c in cands if c in names), None)
+        if src is None:
+            missing.append(pre + pname)
+            continue
+        v = _load_weight(
+            ctx.sess,
+            src,
+            ctx.device,
+            p.dtype
+            if not p.is_floating_point()
+            else (torch.float32 if p.dtype == torch.float32 and "bias" in pname else ctx.dtype),
+            ctx.block,
+        )
+        if tuple(v.shape) != tuple(p.shape):
+            raise CheckpointError(
+                f"tensor {src!r} has shape {tuple(v.shape)}, the model expects {tuple(p.shape)}"
+            )
+        with torch.no_grad():
+            p.data = v
+    if missing:
+        raise CheckpointError(
+            f"layer {li}: {len(missing)} tensor(s) missing from the checkpoint, first {missing[0]!r}"
+        )
+    layer.eval()
+    return layer, routed, moe_attr
+
+
+def _module_name(unit_prefix: str, linear_module: str) -> str:
+    return linear_module[len(unit_prefix) :]
+
+
+def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: dict) -> dict:
+    """Runs the calibrated GPTQ run; returns the run report (as the native run does)."""
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    sess = _native.Session(os.fspath(model_dir), os.fspath(out_dir), json.dumps(options))
+    opts = sess.options()
+    summary = sess.summary()
+    device = torch.device(opts["device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidValueError("device: CUDA was asked for but torch sees no GPU")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        cfg = AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:  # transformers raises many kinds
+        raise CheckpointError(f"{model_dir}: transformers cannot read config.json: {exc}") from exc
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # FP8 sources are dequantised here, not by transformers
+    cfg._attn_implementation = "sdpa"
+    try:
+        with torch.device("meta"):
+            meta_model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    except Exception as exc:
+        raise CheckpointError(
+            f"{model_dir}: transformers has no causal-LM class for model_type "
+            f"{getattr(cfg, 'model_type', '?')!r} ({exc}); GPTQ supports Llama-like dense models, "
+            "DeepSeek-V2/V3, Qwen2/3-MoE and Mixtral"
+        ) from exc
+    base = meta_model.get_decoder() if hasattr(meta_model, "get_decoder") else meta_model.model
+    meta_layers = getattr(base, "layers", None)
+    rotary_cls = type(getattr(base, "rotary_emb", None))
+    if meta_layers is None or rotary_cls is type(None):
+        raise CheckpointError(
+            f"{model_dir}: {type(meta_model).__name__} has no decoder layers / rotary embedding forge knows"
+        )
+    maxpos = getattr(cfg, "max_position_embeddings", None)
+    if maxpos and opts["seqlen"] > maxpos:
+        raise InvalidValueError(
+            f"seqlen: {opts['seqlen']} is longer than the model allows (max_position_embeddings {maxpos})"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception:
+        tokenizer = None
+    ids = load_calibration(opts["calib"], tokenizer, opts["nsamples"], opts["seqlen"], opts["seed"])
+    vocab = getattr(cfg, "vocab_size", None)
+    if vocab and int(ids.max()) >= vocab:
+        raise InvalidValueError(f"calib: token id {int(ids.max())} is outside the vocabulary ({vocab})")
+
+    units = sess.units()
+    names_all = [t["name"] for u in units for t in u["tensors"]]
+    embed = next((n for n in names_all if n.endswith("embed_tokens.weight")), None)
+    layer_units = [u for u in units if u["layer"] is not None]
+    prefix = ""
+    if layer_units:
+        first = layer_units[0]["tensors"][0]["name"]
+        prefix = first[: first.index(f".{layer_units[0]['layer']}.") + 1]
+    block = int(summary["fp8_block"])
+    qc = (sess.config() or {}).get("quantization_config") or {}
+    if isinstance(qc.get("weight_block_size"), list) and qc["weight_block_size"]:
+        block = int(qc["weight_block_size"][0])
+    ctx = _Ctx(sess, opts, cfg, device, dtype, summary["arch"], block, prefix, [], {}, opts["progress"], {})
+
+    # Chunks of whole windows.
+    per = max(1, opts["chunk_tokens"] // opts["seqlen"])
+    chunks = [ids[i : i + per] for i in range(0, len(ids), per)]
+    hidden_bytes = ids.numel() * cfg.hidden_size * (2 if dtype == torch.bfloat16 else 4)
+    where = _where(opts, device, hidden_bytes)
+    off = Path(opts["offload_dir"]) if opts["offload_dir"] else Path(out_dir) / "forge-state" / "activations"
+    notes = [f"calibration: {ids.shape[0]} windows x {ids.shape[1]} tokens, activations on {where}"]
+
+    with torch.device(device):
+        rotary = rotary_cls(config=cfg)
+    hidden = _Store(where, device, off / "hidden")
+    resume = sess.resume_state()
+    if resume is not None:
+        from safetensors.torch import load_file
+
+        st = load_file(resume[1])
+        for i in range(len(chunks)):
+            hidden.append(st[f"hidden.{i}"])
+        for k, v in st.items():
+            if k.startswith("stats."):
+                _, li, what = k.split(".")
+                s = ctx.stats.setdefault(int(li), _Stats(v.numel()))
+                setattr(s, what, v.double())
+        prev = json.loads(st.get("report", torch.zeros(0, dtype=torch.uint8)).numpy().tobytes() or b"[]")
+        ctx.report.extend(prev)
+        notes.append(f"resumed after {resume[0]}")
+
+    bar = tqdm(total=len(units), desc="layers", disable=not opts["progress"], unit="unit")
+    for u in units:
+        if u["done"]:
+            bar.update(1)
+            continue
+        t0 = time.perf_counter()
+        sess.write_unquantized(u["index"])
+        state_path = None
+        if u["layer"] is None:
+            if len(hidden) == 0:
+                if embed is None:
+                    raise CheckpointError(f"{model_dir}: no embed_tokens.weight among the non-layer tensors")
+                w = _load_weight(sess, embed, device, dtype, block)
+                for c in chunks:
+                    hidden.append(F.embedding(c.to(device), w))
+                del w
+        elif not u["mtp"]:
+            if len(hidden) == 0:
+                raise CheckpointError("internal: no calibration hidden states before the first layer")
+            _process_layer(ctx, meta_layers, rotary, u, hidden, chunks, bar)
+            state_path = sess.state_path(u["index"])
+            _save_state(state_path, hidden, ctx)
+        sess.commit(u["index"], os.fspath(state_path) if state_path else None)
+        ctx.layer_seconds[u["layer"] if u["layer"] is not None else -1] = time.perf_counter() - t0
+        bar.update(1)
+    bar.close()
+    hidden.drop()
+    extra = _reports(ctx, summary, notes)
+    rep = sess.finish(extra)
+    rep["notes"] = list(rep.get("notes", [])) + notes
+    return rep
+
+
+def _save_state(path: str, hidden: _Store, ctx: _Ctx) -> None:
+    from safetensors.torch import save_file
+
+    t = {f"hidden.{i}": hidden[i].cpu().contiguous() for i in range(len(hidden))}
+    for li, s in ctx.stats.items():
+        t[f"stats.{li}.counts"] = s.counts.clone()
+        t[f"stats.{li}.mass"] = s.mass.clone()
+        t[f"stats.{li}.reap"] = s.reap.clone()
+    t["report"] = torch.frombuffer(bytearray(json.dumps(ctx.report).encode()), dtype=torch.uint8)
+    tmp = f"{path}.partial"
+    save_file(t, tmp)
+    os.replace(tmp, path)
+
+
+def _forward(layer, h: torch.Tensor, rotary) -> torch.Tensor:
+    pos = torch.arange(h.shape[1], device=h.device)[None].expand(h.shape[0], -1)
+    pe = rotary(h, pos)
+    out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, use_cache=False)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chunks, bar) -> None:
+    opts, li = ctx.opts, u["layer"]
+    layer, routed, moe_attr = _build_layer(ctx, meta_layers, u)
+    pre = f"{ctx.prefix}{li}."
+    planned = {lin["module"]: lin for lin in u["linears"]}
+    expert_mods = {m for m in planned if routed is not None and m.startswith(routed.ckpt_prefix)}
+    dense = sorted(m for m in planned if m not in expert_mods)
+    mods = dict(layer.named_modules())
+    for m in dense:
+        rel = _module_name(pre, m)
+        if rel not in mods and rel.replace("block_sparse_moe.", "mlp.", 1) in mods:
+            rel = rel.replace("block_sparse_moe.", "mlp.", 1)
+        if not isinstance(mods.get(rel), torch.nn.Linear):
+            raise CheckpointError(f"{m}: planned for quantization but the model has no linear of that name")
+    rel_of = {
+        m: (
+            _module_name(pre, m)
+            if _module_name(pre, m) in mods
+            else _module_name(pre, m).replace("block_sparse_moe.", "mlp.", 1)
+        )
+        for m in dense
+    }
+    stages = _stages([rel_of[m] for m in dense], "experts" if expert_mods else None, opts["true_sequential"])
+    by_rel = {v: k for k, v in rel_of.items()}
+    hblock = opts["group_size"] if opts["hessian"] == "block" else None
+    stats = _Stats(routed.n_experts) if routed is not None else None
+    fam = _FAMILY_EXPERTS.get(ctx.family, _FAMILY_EXPERTS["generic"])
+    routed_rows: _Store | None = None
+
+    for si, stage in enumerate(stages):
+        lin = [s for s in stage if s != "<experts>"]
+        collect = "<experts>" in stage
+        hs: dict[str, _Hessian] = {}
+        handles = []
+        # Inputs shared by several linears (q_a/kv_a, gate/up) share one Hessian.
+        seen_in: dict[str, int] = {}
+        for rel in lin:
+            mod = mods[rel]
+            hs[rel] = _Hessian(mod.in_features, ctx.device, hblock)
+
+            def hook(_m, args, rel=rel):
+                hs[rel].add(args[0])
+                seen_in[rel] = 1
+                if len(seen_in) == len(lin) and not collect:
+                    raise _StopForward
+
+            handles.append(mod.register_forward_pre_hook(hook))
+        if routed is not None:
+            routed.mode = "collect" if collect else "zero"
+            routed.collected = []
+        gate_hook = None
+        if collect and routed is not None:
+            gate_mod = getattr(layer, moe_attr).gate
+
+            def ghook(_m, _a, out):
+                logits, _, idx = out
+                stats.add_routing(logits, idx, fam.scoring)
+
+            gate_hook = gate_mod.register_forward_hook(ghook)
+        try:
+            for ci in range(len(chunks)):
+                seen_in.clear()
+                try:
+                    with torch.no_grad():
+                        _forward(layer, hidden[ci], rotary)
+                except _StopForward:
+                    pass
+        finally:
+            for hd in handles:
+                hd.remove()
+            if gate_hook is not None:
+                gate_hook.remove()
+        # Solve the stage's dense linears; same-input linears (q_a/kv_a, gate/up) are solved
+        # separately with their shared Hessian, since GPTQ rows are independent.
+        for rel in lin:
+            mod = mods[rel]
+            name = by_rel[rel]
+            h = hs[rel]
+            w = mod.weight.data
+            hf = h.full() / max(h.tokens, 1)
+            s = _solve(w, hf, opts, h.tokens, None)
+            _errors(w, s, hf, opts)
+            ctx.sess.write_linear(name, s.codes.cpu().contiguous(), s.qmeta.cpu().contiguous())
+            mod.weight.data = s.deq.to(w.device, w.dtype)
+            ctx.report.append({"layer": li, "module": name, **s.info})
+        del hs
+        if collect and routed is not None:
+            routed_rows = _solve_experts(ctx, routed, u, stats, fam, hblock, bar)
+            routed.collected = []
+
+    # Final pass: the next layer's inputs (routed output replayed when computed expert-major).
+    if routed is not None:
+        if routed_rows is not None and opts["true_sequential"]:
+            routed.mode = "replay"
+            routed.replay_rows = routed_rows
+            routed.replay_at = 0
+        else:
+            routed.mode = "run"
+            routed.stats = stats if routed_rows is None else None
+    with torch.no_grad():
+        for ci in range(len(chunks)):
+            out = _forward(layer, hidden[ci], rotary)
+            if not bool(torch.isfinite(out).all()):
+                raise InvalidValueError(
+                    f"layer {li}: the forward produced NaN or Inf (calibration chunk {ci})"
+                )
+            hidden[ci] = out
+    if stats is not None:
+        ctx.stats[li] = stats
+    del layer, routed
+
+
+def _solve_experts(
+    ctx: _Ctx, routed: _RoutedExperts, u: dict, stats: _Stats, fam: _Experts, hblock, bar
+) -> torch.Tensor:
+    """GPTQ of every routed expert over exactly its routed tokens; returns the layer's routed
+    output (router weight times expert output, summed) for all calibration tokens."""
+    from tqdm.auto import tqdm
+
+    opts, li = ctx.opts, u["layer"]
+    xs = torch.cat([c[0] for c in routed.collected])
+    idx = torch.cat([c[1] for c in routed.collected])
+    wts = torch.cat([c[2] for c in routed.collected]).float()
+    t, k = idx.shape
+    d = xs.shape[1]
+    out = torch.zeros(t, d, dtype=torch.float32, device=xs.device)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=routed.n_experts)[: routed.n_experts].tolist()
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    pooled: _Hessian | None = None
+    inter = routed.w[0][0].shape[0]
+    written = set()
+    pbar = tqdm(total=routed.n_experts, desc=f"layer {li} experts", leave=False, disable=not opts["progress"])
+    for e in range(routed.n_experts):
+        sel = order[starts[e] : starts[e + 1]]
+        tok = sel // k
+        x = xs[tok]
+        n_tok = x.shape[0]
+        thr = opts["few_tokens_threshold"]
+        thr = d // 8 if thr is None else thr
+        fallback = None
+        g, up, dn = routed.w[e]
+        if n_tok < max(thr, 1):
+            fallback = opts["few_tokens"]
+        if fallback == "pooled":
+            if pooled is None:
+                pooled = _Hessian(d, ctx.device, hblock)
+                pooled.add(xs)
+            h_gu = pooled.full() / max(pooled.tokens, 1)
+            ref = xs[: max(4 * max(thr, 1), 1024)]
+            a_ref = routed.act(F.linear(ref, g)) * F.linear(ref, up)
+        elif fallback == "rtn":
+            h_gu = None
+        else:
+            hg = _Hessian(d, ctx.device, hblock)
+            hg.add(x)
+            h_gu = hg.full() / max(hg.tokens, 1)
+        w_gu = torch.cat([g, up])
+        s_gu = _solve(w_gu, h_gu, opts, n_tok, fallback)
+        _errors(w_gu, s_gu, h_gu, opts)
+        gq, uq = s_gu.deq.to(g.device, g.dtype).split(inter)
+        routed.w[e][0], routed.w[e][1] = gq, uq
+        a = routed.act(F.linear(x, gq)) * F.linear(x, uq)
+        if fallback == "pooled":
+            a_ref = routed.act(F.linear(ref, gq)) * F.linear(ref, uq)
+            hd = _Hessian(inter, ctx.device, hblock)
+            hd.add(a_ref)
+        elif fallback == "rtn":
+            hd = None
+        else:
+            hd = _Hessian(inter, ctx.device, hblock)
+            hd.add(a)
+        h_d = hd.full() / max(hd.tokens, 1) if hd is not None else None
+        s_d = _solve(dn, h_d, opts, n_tok, fallback)
+        _errors(dn, s_d, h_d, opts)
+        dq = s_d.deq.to(dn.device, dn.dtype)
+        routed.w[e][2] = dq
+        # Write gate and up (rows split from the joint solve) and down.
+        base = f"{routed.ckpt_prefix}{e}."
+        planned = {lin["module"] for lin in u["linears"]}
+        for leaf, codes, qmeta in (
+            (fam.gate, s_gu.codes[:, :inter], s_gu.qmeta[:inter]),
+            (fam.up, s_gu.codes[:, inter:], s_gu.qmeta[inter:]),
+            (fam.down, s_d.codes, s_d.qmeta),
+        ):
+            m = base + leaf
+            if m in planned:
+                ctx.sess.write_linear(m, codes.cpu().contiguous(), qmeta.cpu().contiguous())
+                written.add(m)
+        for leaf, s in ((f"{fam.gate}+{fam.up}", s_gu), (fam.down, s_d)):
+            ctx.report.append({"layer": li, "module": base + leaf, "expert": e, **s.info})
+        if n_tok:
+            y = F.linear(a, dq).float()
+            wt = wts.reshape(-1)[sel]
+            stats.add_reap(e, wt * y.norm(dim=-1))
+            out.index_add_(0, tok, y * wt[:, None])
+        pbar.update(1)
+    pbar.close()
+    return out.to(xs.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Reports
+
+
+def _reports(ctx: _Ctx, summary: dict, notes: list[str]) -> list[tuple[str, bytes]]:
+    rows = ctx.report
+    files: list[tuple[str, bytes]] = []
+    summary_json = {
+        "arch": summary["arch"],
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.opts.items()},
+        "notes": notes,
+        "linears": rows,
+        "layer_seconds": {str(k): v for k, v in ctx.layer_seconds.items()},
+    }
+    files.append(("forge_report.json", (json.dumps(summary_json, indent=1) + "\n").encode()))
+    lines = [
+        "# 4bit-forge GPTQ report",
+        "",
+        f"Family `{summary['arch']}`, group size {ctx.opts['group_size']}, grid `{ctx.opts['grid']}`, "
+        f"{ctx.opts['nsamples']} x {ctx.opts['seqlen']} calibration tokens, damp {ctx.opts['damp']}, "
+        f"act_order {ctx.opts['act_order']}, hessian `{ctx.opts['hessian']}`.",
+        "",
+    ]
+    lines += [f"- {n}" for n in notes]
+    fb = [r for r in rows if r.get("fallback")]
+    lines += ["", f"{len(rows)} solves, {len(fb)} with a few-token fallback.", ""]
+    lines += [
+        "| layer | module | tokens | method | fallback | damp | retries | err GPTQ | err RTN | s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v):
+        return "" if v is None else (f"{v:.3e}" if isinstance(v, float) else str(v))
+
+    for r in rows:
+        lines.append(
+            f"| {r['layer']} | {r['module']} | {r['tokens']} | {r['method']} | {r.get('fallback') or ''} | "
+            f"{f(r.get('damp'))} | {r.get('retries', 0)} | {f(r.get('err_gptq'))} | {f(r.get('err_rtn'))} | {r['seconds']:.2f} |"
+        )
+    files.append(("forge_report.md", ("\n".join(lines) + "\n").encode()))
+    png = _error_plot(rows)
+    if png is not None:
+        files.append(("forge_report.png", png))
+    if ctx.stats:
+        from safetensors.torch import save
+
+        layers = sorted(ctx.stats)
+        t = {
+            "layers": torch.tensor(layers, dtype=torch.int64),
+            "counts": torch.stack([ctx.stats[i].counts for i in layers]),
+            "mass": torch.stack([ctx.stats[i].mass for i in layers]),
+            "reap": torch.stack([ctx.stats[i].reap for i in layers]),
+        }
+        files.append(
+            (
+                "router_stats.safetensors",
+                save(
+                    t,
+                    metadata={
+                        "format": "4bit-forge router stats v1",
+                        "scoring": _FAMILY_EXPERTS.get(ctx.family, _FAMILY_EXPERTS["generic"]).scoring,
+                    },
+                ),
+            )
+        )
+        js = {
+            str(i): {
+                "counts": ctx.stats[i].counts.tolist(),
+                "mass": ctx.stats[i].mass.tolist(),
+                "reap_mean": (ctx.stats[i].reap / ctx.stats[i].counts.clamp(min=1)).tolist(),
+            }
+            for i in layers
+        }
+        files.append(("router_stats.json", (json.dumps(js) + "\n").encode()))
+    return files
+
+
+def _error_plot(rows: list[dict]) -> bytes | None:
+    """Per-layer mean relative output error (GPTQ vs RTN) as a PNG, when matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    layers = sorted({r["layer"] for r in rows if r.get("err_gptq") is not None})
+    if not layers:
+        return None
+
+    def mean(key: str, li: int) -> float:
+        v = [r[key] for r in rows if r["layer"] == li and r.get(key) is not None]
+        return sum(v) / len(v) if v else math.nan
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(layers, [mean("err_rtn", i) for i in layers], "o-", label="RTN (same grid)")
+    ax.plot(layers, [mean("err_gptq", i) for i in layers], "o-", label="GPTQ")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean ‖X(W−Ŵ)‖² / ‖XW‖²")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+# Keep the type checker quiet about an unused alias in older Pythons.
+_ = Callable
