@@ -178,7 +178,10 @@ def test_group_size_that_does_not_divide(llama, tmp_path, capfd):
     with pytest.raises(errors.InvalidValueError, match="group_size"):
         api.quantize_model(llama, tmp_path / "g48", group_size=48, progress=False)
     with pytest.raises(errors.InvalidValueError, match="method"):
-        api.quantize_model(llama, tmp_path / "m", method="gptq", progress=False)
+        api.quantize_model(llama, tmp_path / "m", method="awq", progress=False)
+    with pytest.raises(errors.InvalidValueError, match="calib"):
+        api.quantize_model(llama, tmp_path / "m2", method="gptq", group_size=32, progress=False)
+    _no_accepted_output(tmp_path / "m2")
 
 
 def test_already_quantized_source_refused(llama, tmp_path):

@@ -214,7 +214,7 @@ def test_dequantized_model_logits_close(kind, sources, runs, tmp_path):
 def test_options_mse_symmetric_include(sources, tmp_path):
     src = sources["llama"]
     r_range = api.quantize_model(src, tmp_path / "range", group_size=G, progress=False)
-    r_mse = api.quantize_model(src, tmp_path / "mse", method="mse", group_size=G, progress=False)
+    r_mse = api.quantize_model(src, tmp_path / "mse", grid="mse", group_size=G, progress=False)
     assert r_mse.quantizer == "rtn-mse" and r_range.quantizer == "rtn-range"
     api.verify(tmp_path / "mse")
     orig = source_weights_f32(src)

@@ -55,6 +55,19 @@ _DTYPES = {
 }
 
 
+TAP: Callable[..., None] | None = None
+"""Test seam: when set, called as ``TAP("layer_input", layer=i, hidden=[chunks])`` before each
+layer and ``TAP("hessian", module=name, hessian=H, tokens=n)`` before each solve (H is
+normalised by the token count)."""
+
+ABORT_ENV = "FORGE_TEST_ABORT_AFTER_LAYERS"
+
+
+def _tap(event: str, **data) -> None:
+    if TAP is not None:
+        TAP(event, **data)
+
+
 class _StopForward(Exception):
     """Raised by a hook once everything a stage needs from a forward pass is captured."""
 
@@ -576,7 +589,10 @@ def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     try:
         cfg = AutoConfig.from_pretrained(model_dir)
     except Exception as exc:  # transformers raises many kinds
-        raise CheckpointError(f"{model_dir}: transformers cannot read config.json: {exc}") from exc
+        raise CheckpointError(
+            f"{model_dir}: transformers cannot build this model ({exc}); GPTQ supports Llama-like dense "
+            "models, DeepSeek-V2/V3, Qwen2/3-MoE and Mixtral"
+        ) from exc
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config  # FP8 sources are dequantised here, not by transformers
     cfg._attn_implementation = "sdpa"
@@ -652,6 +668,8 @@ def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
         notes.append(f"resumed after {resume[0]}")
 
     bar = tqdm(total=len(units), desc="layers", disable=not opts["progress"], unit="unit")
+    abort_after = int(os.environ.get(ABORT_ENV, "0") or 0)
+    processed = 0
     for u in units:
         if u["done"]:
             bar.update(1)
@@ -676,6 +694,9 @@ def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
         sess.commit(u["index"], os.fspath(state_path) if state_path else None)
         ctx.layer_seconds[u["layer"] if u["layer"] is not None else -1] = time.perf_counter() - t0
         bar.update(1)
+        processed += 1
+        if abort_after and processed >= abort_after:
+            raise RuntimeError(f"test abort after {processed} units ({ABORT_ENV})")
     bar.close()
     hidden.drop()
     extra = _reports(ctx, summary, notes)
@@ -705,8 +726,23 @@ def _forward(layer, h: torch.Tensor, rotary) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _input_hook(h: _Hessian, rel: str, seen: dict, needed: int, stop: bool):
+    """A forward pre-hook adding a linear's input to its Hessian; once every linear of the
+    stage has been seen in this forward (and nothing later is needed), the forward stops."""
+
+    def hook(_m, args):
+        h.add(args[0])
+        seen[rel] = 1
+        if stop and len(seen) == needed:
+            raise _StopForward
+
+    return hook
+
+
 def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chunks, bar) -> None:
     opts, li = ctx.opts, u["layer"]
+    if TAP is not None:
+        _tap("layer_input", layer=li, hidden=[hidden[i] for i in range(len(hidden))])
     layer, routed, moe_attr = _build_layer(ctx, meta_layers, u)
     pre = f"{ctx.prefix}{li}."
     planned = {lin["module"]: lin for lin in u["linears"]}
@@ -734,24 +770,19 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
     fam = _FAMILY_EXPERTS.get(ctx.family, _FAMILY_EXPERTS["generic"])
     routed_rows: _Store | None = None
 
-    for si, stage in enumerate(stages):
+    for stage in stages:
         lin = [s for s in stage if s != "<experts>"]
         collect = "<experts>" in stage
         hs: dict[str, _Hessian] = {}
         handles = []
-        # Inputs shared by several linears (q_a/kv_a, gate/up) share one Hessian.
+        # One Hessian per linear (linears sharing an input, e.g. q_a/kv_a, accumulate the same XᵀX).
         seen_in: dict[str, int] = {}
         for rel in lin:
             mod = mods[rel]
             hs[rel] = _Hessian(mod.in_features, ctx.device, hblock)
-
-            def hook(_m, args, rel=rel):
-                hs[rel].add(args[0])
-                seen_in[rel] = 1
-                if len(seen_in) == len(lin) and not collect:
-                    raise _StopForward
-
-            handles.append(mod.register_forward_pre_hook(hook))
+            handles.append(
+                mod.register_forward_pre_hook(_input_hook(hs[rel], rel, seen_in, len(lin), not collect))
+            )
         if routed is not None:
             routed.mode = "collect" if collect else "zero"
             routed.collected = []
@@ -785,6 +816,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             h = hs[rel]
             w = mod.weight.data
             hf = h.full() / max(h.tokens, 1)
+            _tap("hessian", module=name, hessian=hf, tokens=h.tokens)
             s = _solve(w, hf, opts, h.tokens, None)
             _errors(w, s, hf, opts)
             ctx.sess.write_linear(name, s.codes.cpu().contiguous(), s.qmeta.cpu().contiguous())
@@ -866,6 +898,9 @@ def _solve_experts(
             hg.add(x)
             h_gu = hg.full() / max(hg.tokens, 1)
         w_gu = torch.cat([g, up])
+        base = f"{routed.ckpt_prefix}{e}."
+        if h_gu is not None:
+            _tap("hessian", module=f"{base}{fam.gate}+{fam.up}", hessian=h_gu, tokens=n_tok)
         s_gu = _solve(w_gu, h_gu, opts, n_tok, fallback)
         _errors(w_gu, s_gu, h_gu, opts)
         gq, uq = s_gu.deq.to(g.device, g.dtype).split(inter)
@@ -881,12 +916,13 @@ def _solve_experts(
             hd = _Hessian(inter, ctx.device, hblock)
             hd.add(a)
         h_d = hd.full() / max(hd.tokens, 1) if hd is not None else None
+        if h_d is not None:
+            _tap("hessian", module=f"{base}{fam.down}", hessian=h_d, tokens=n_tok)
         s_d = _solve(dn, h_d, opts, n_tok, fallback)
         _errors(dn, s_d, h_d, opts)
         dq = s_d.deq.to(dn.device, dn.dtype)
         routed.w[e][2] = dq
         # Write gate and up (rows split from the joint solve) and down.
-        base = f"{routed.ckpt_prefix}{e}."
         planned = {lin["module"] for lin in u["linears"]}
         for leaf, codes, qmeta in (
             (fam.gate, s_gu.codes[:, :inter], s_gu.qmeta[:inter]),
@@ -967,9 +1003,15 @@ def _reports(ctx: _Ctx, summary: dict, notes: list[str]) -> list[tuple[str, byte
                 "router_stats.safetensors",
                 save(
                     t,
+                    # one key: safetensors writes metadata in no fixed order
                     metadata={
-                        "format": "4bit-forge router stats v1",
-                        "scoring": _FAMILY_EXPERTS.get(ctx.family, _FAMILY_EXPERTS["generic"]).scoring,
+                        "forge": json.dumps(
+                            {
+                                "format": "4bit-forge router stats v1",
+                                "scoring": _FAMILY_EXPERTS.get(ctx.family, _FAMILY_EXPERTS["generic"]).scoring,
+                            },
+                            sort_keys=True,
+                        )
                     },
                 ),
             )
@@ -1015,7 +1057,3 @@ def _error_plot(rows: list[dict]) -> bytes | None:
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     return buf.getvalue()
-
-
-# Keep the type checker quiet about an unused alias in older Pythons.
-_ = Callable
