@@ -218,3 +218,20 @@ def test_named_pipe_never_hangs(broken, name):
     r = _verify_subprocess(broken, timeout=60)
     assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
     assert "not a regular file" in r.stdout + r.stderr, (r.stdout, r.stderr)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize("threads", ["100000", str(64 * (os.cpu_count() or 1) + 1)])
+def test_cli_rejects_absurd_thread_counts(tmp_path, capfd, threads):
+    import forge
+
+    src = tmp_path / "src"
+    capfd.readouterr()
+    code = forge._native.cli_main(
+        ["forge-rs", "quantize", str(src), str(tmp_path / "out"), "--threads", threads, "--no-progress"]
+    )
+    err = capfd.readouterr().err
+    assert code == 1 and "--threads" in err and "too many" in err, err
+    assert not (tmp_path / "out").exists()
