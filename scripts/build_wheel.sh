@@ -2,7 +2,8 @@
 # Builds the 4bit-forge wheel with the native `forge-rs` binary (crates/forge-cli) as its
 # bin/forge-rs, into dist/.
 #
-# maturin puts a file found in python/forge/_native.data/scripts/ into the wheel's
+# maturin puts a file found in forge._native.data/scripts/ (next to pyproject.toml; checked with
+# maturin 1.16, the path stack.md names inside python/ is not picked up) into the wheel's
 # <dist>.data/scripts/, which pip installs into the environment's bin/ (notes/stack.md §maturin).
 # pyproject.toml also declares a `forge-rs` console script (the fallback for source installs,
 # running the same CLI code inside the extension); pip generates console scripts AFTER copying
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 cargo build --release --locked -p forge-cli
-scripts=python/forge/_native.data/scripts
+scripts=forge._native.data/scripts
 mkdir -p "$scripts"
 install -m 0755 "$target_dir/release/forge-rs" "$scripts/forge-rs"
 
