@@ -21,6 +21,9 @@ typedef long long i64;
 
 #define FORGE_EPS 1e-9f
 
+// Smallest stored scale, 2^-24 (smallest positive fp16); mirrors forge_core::grid::SCALE_MIN.
+__device__ __forceinline__ float forge_scale_min() { return __uint_as_float(0x33800000u); }
+
 __device__ __forceinline__ float f_inf() { return __int_as_float(0x7f800000); }
 
 // ---- element conversions (exact) -------------------------------------------------------

@@ -27,16 +27,22 @@ __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int 
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     }
     if (lane == 0) {
+        // The grid always contains 0 (xmin = min(min x, 0), xmax = max(max x, 0)), as
+        // forge_core::grid::range_meta; min/max are exact, so the order does not matter.
+        mn = fminf(mn, 0.0f);
+        mx = fmaxf(mx, 0.0f);
         float maxq = (float)((1u << bits) - 1u);
         u32 m;
         if (symmetric) {
             float amax = fmaxf(fabsf(mn), fabsf(mx));
             float s = (2.0f * amax) / maxq;
             s = s + FORGE_EPS;
+            s = fmaxf(s, forge_scale_min());
             m = make_qmeta(encode_log2_q88(s), 1u << (bits - 1), 1u);
         } else {
             float s = (mx - mn) / maxq;
             s = s + FORGE_EPS;
+            s = fmaxf(s, forge_scale_min());
             float z = rintf(-mn / s);
             z = fminf(fmaxf(z, 0.0f), maxq);
             m = make_qmeta(encode_log2_q88(s), (u32)z, 0u);
@@ -68,9 +74,14 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
     const GroupParams p0 = qmeta_params(meta, bits);
     const bool l2 = (norm == 2.0f);
     float best = f_inf();
-    float best_s = p0.scale;
+    int best_q = (int)(short)(meta & 0xFFFFu);
     for (int ci = 0; ci < n_grid; ci++) {
-        const float s = p0.scale * c_p[ci];
+        // Evaluated at the scale that would be stored: decode(encode(max(s0 * p, SCALE_MIN))),
+        // as forge_core::grid::mse_refine_group.
+        float sc = p0.scale * c_p[ci];
+        sc = fmaxf(sc, forge_scale_min());
+        const int q = encode_log2_q88(sc);
+        const float s = decode_scale(q);
         const float inv = 1.0f / s;
         float acc = 0.0f;
         for (int i = lane; i < G; i += 32) {
@@ -91,10 +102,10 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
         }
         if (acc < best) {  // lane 0's value is the loss; lowest index wins ties
             best = acc;
-            best_s = s;
+            best_q = q;
         }
     }
-    if (lane == 0) qmeta[gid] = make_qmeta(encode_log2_q88(best_s), (meta >> 16) & 0xFFu, (meta >> 24) & 1u);
+    if (lane == 0) qmeta[gid] = make_qmeta(best_q, (meta >> 16) & 0xFFu, (meta >> 24) & 1u);
 }
 
 #define FORGE_GRID_ENTRIES(SUF, DT)                                                                    \

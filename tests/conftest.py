@@ -18,6 +18,8 @@ import torch
 # Q8.8 relative bound of the qmeta4 scale: half a step of 1/256 in log2.
 Q88_BOUND = 2.0 ** (1.0 / 512.0) - 1.0
 EPS = 1e-9
+# smallest stored scale: the smallest positive fp16 (a scale of 1e-9 would become fp16 0)
+SCALE_MIN = 2.0**-24
 
 # The references are small; torch's intra-op thread pool only adds overhead here (a 256x256
 # cholesky_inverse takes 0.3 s with 2 threads vs 1 ms with 1 on the 2-core CI machine).
@@ -99,14 +101,15 @@ def ref_range_grid(
     """Spec §6.2 range grid in plain float32 torch: (scale (rows, G) f32, zero (rows, G) int64)."""
     xg = pad_groups(x, group_size)
     maxq = (1 << bits) - 1
-    xmin = xg.amin(dim=-1)
-    xmax = xg.amax(dim=-1)
+    # the grid always contains 0, as GPTQ's Quantizer.find_params
+    xmin = torch.clamp(xg.amin(dim=-1), max=0.0)
+    xmax = torch.clamp(xg.amax(dim=-1), min=0.0)
     if symmetric:
         amax = torch.maximum(xmin.abs(), xmax.abs())
-        s = (2.0 * amax) / maxq + EPS
+        s = torch.clamp((2.0 * amax) / maxq + EPS, min=SCALE_MIN)
         z = torch.full(s.shape, (maxq + 1) // 2, dtype=torch.int64)
     else:
-        s = (xmax - xmin) / maxq + EPS
+        s = torch.clamp((xmax - xmin) / maxq + EPS, min=SCALE_MIN)
         z = torch.clamp(torch.round(-xmin / s), 0, maxq).to(torch.int64)
     assert s.dtype == torch.float32
     return s, z

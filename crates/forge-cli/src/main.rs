@@ -2,5 +2,5 @@
 //! [`forge_run::cli`], which the Python package calls too (`python -m forge`).
 
 fn main() {
-    std::process::exit(forge_run::cli::main(std::env::args_os()));
+    std::process::exit(forge_run::cli::main_native(std::env::args_os()));
 }

@@ -4,12 +4,19 @@
 use crate::dtype::{check_finite, Element};
 use crate::error::{check_len, Error, Result};
 use crate::pmath::pow_p;
-use crate::qmeta::{QMeta, FLAG_SYMMETRIC};
+use crate::qmeta::{decode_scale, encode_log2_q88, QMeta, FLAG_SYMMETRIC};
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-/// Added to every range-based scale so that an all-zero group has a positive scale.
+/// Added to every range-based scale (spec §6.2).
 pub const EPS: f32 = 1e-9;
+
+/// Smallest scale a grid stores: `2^-24`, the smallest positive fp16 (subnormal), exactly
+/// representable in qmeta4 (log2 Q8.8 = −6144). Every qmeta whose log2 field is ≥ −6144
+/// decodes to ≥ 2^-24 and so converts to a positive fp16 AWQ scale; [`EPS`] alone (1e-9)
+/// would round to an fp16 scale of 0 for all-zero and tiny groups, which vLLM
+/// and `verify` reject.
+pub const SCALE_MIN: f32 = 1.0 / 16_777_216.0;
 
 /// Lanes of the fixed summation order of the MSE search (one CUDA warp).
 pub const LANES: usize = 32;
@@ -144,19 +151,18 @@ pub fn range_meta(group: &[f32], spec: &GridSpec) -> QMeta {
         lo[0] = if v < lo[0] { v } else { lo[0] };
         hi[0] = if v > hi[0] { v } else { hi[0] };
     }
-    let xmin = lo
-        .iter()
-        .fold(f32::INFINITY, |a, &b| if b < a { b } else { a });
-    let xmax = hi
-        .iter()
-        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    // The grid always contains 0 (GPTQ `Quantizer.find_params`): a one-signed group
+    // such as [0.4, 0.6] gets the range [0, 0.6] and zero point 0 instead of a clamped
+    // zero point that shifts every value.
+    let xmin = lo.iter().fold(0.0f32, |a, &b| if b < a { b } else { a });
+    let xmax = hi.iter().fold(0.0f32, |a, &b| if b > a { b } else { a });
     let maxq = spec.maxq() as f32;
     if spec.symmetric {
         let amax = xmin.abs().max(xmax.abs());
-        let s = (2.0 * amax) / maxq + EPS;
+        let s = ((2.0 * amax) / maxq + EPS).max(SCALE_MIN);
         QMeta::from_scale(s, (1u32 << (spec.bits - 1)) as u8, true)
     } else {
-        let s = (xmax - xmin) / maxq + EPS;
+        let s = ((xmax - xmin) / maxq + EPS).max(SCALE_MIN);
         let z = (-xmin / s).round_ties_even().clamp(0.0, maxq);
         QMeta::from_scale(s, z as u8, false)
     }
@@ -263,21 +269,33 @@ pub fn candidate_loss(group: &[f32], scale: f32, zero: f32, maxq: f32, norm: f32
     lanes[0]
 }
 
+/// The qmeta4 log2 field of candidate `p` around the base scale `s0`: the candidate scale
+/// is `decode(encode(max(s0 * p, SCALE_MIN)))`, i.e. exactly the scale that would be stored.
+#[inline]
+pub fn candidate_q88(s0: f32, p: f32) -> i16 {
+    encode_log2_q88((s0 * p).max(SCALE_MIN))
+}
+
 /// Best candidate for one group: returns the refined qmeta.
+///
+/// Every candidate is evaluated at the scale it would be stored as (Q8.8-rounded), so the
+/// loss of the stored qmeta is exactly the minimum found. The zero point stays that of the
+/// range grid: GPTQ's reference search shrinks `xmin` and `xmax` by the same factor `p`, and
+/// `round(-p·xmin / (p·(xmax − xmin)/maxq))` does not depend on `p`.
 #[inline]
 pub fn mse_refine_group(group: &[f32], meta: QMeta, bits: u8, cands: &[f32], norm: f32) -> QMeta {
     let p = meta.params(bits);
     let mut best = f32::INFINITY;
-    let mut best_s = p.scale;
+    let mut best_q = meta.log2_q88();
     for &c in cands {
-        let s = p.scale * c;
-        let loss = candidate_loss(group, s, p.zero, p.maxq, norm);
+        let q = candidate_q88(p.scale, c);
+        let loss = candidate_loss(group, decode_scale(q), p.zero, p.maxq, norm);
         if loss < best {
             best = loss;
-            best_s = s;
+            best_q = q;
         }
     }
-    QMeta::from_scale(best_s, meta.zero(), meta.flags() & FLAG_SYMMETRIC != 0)
+    QMeta::new(best_q, meta.zero(), meta.flags() & FLAG_SYMMETRIC)
 }
 
 /// Refines `qmeta` in place with the MSE / L^p shrink search.
@@ -394,6 +412,119 @@ mod tests {
         assert!(m.symmetric());
     }
 
+    /// Round-to-nearest dequantization of one group with its qmeta (plain formula).
+    fn dequant(g: &[f32], m: QMeta, bits: u8) -> Vec<f32> {
+        let p = m.params(bits);
+        g.iter()
+            .map(|&x| {
+                let q = (x / p.scale + p.zero).round().clamp(0.0, p.maxq);
+                (q - p.zero) * p.scale
+            })
+            .collect()
+    }
+
+    #[test]
+    fn one_signed_groups_keep_zero_in_the_grid() {
+        // Values in [0.4, 0.6] (and their negatives): the grid spans [0, 0.6], so the error
+        // is at most half a step of 0.6 / 15; a clamped zero point gave ~60 % errors.
+        for sign in [1.0f32, -1.0] {
+            for symmetric in [false, true] {
+                let spec = GridSpec {
+                    bits: 4,
+                    group_size: 32,
+                    symmetric,
+                };
+                let g: Vec<f32> = (0..32)
+                    .map(|i| sign * (0.4 + 0.2 * i as f32 / 31.0))
+                    .collect();
+                let m = range_meta(&g, &spec);
+                let step = if symmetric { 1.2 / 15.0 } else { 0.6 / 15.0 };
+                let err = dequant(&g, m, 4)
+                    .iter()
+                    .zip(&g)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    err <= 0.5 * step * 1.01,
+                    "sign {sign} sym {symmetric}: {err}"
+                );
+                if !symmetric {
+                    assert_eq!(m.zero(), if sign > 0.0 { 0 } else { 15 });
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn zero_and_tiny_groups_store_a_positive_fp16_scale() {
+        for symmetric in [false, true] {
+            let spec = GridSpec {
+                bits: 4,
+                group_size: 32,
+                symmetric,
+            };
+            for v in [0.0f32, 1e-30, -3e-12, 1e-8] {
+                let g = vec![v; 32];
+                for m in [
+                    range_meta(&g, &spec),
+                    mse_refine_group(
+                        &g,
+                        range_meta(&g, &spec),
+                        4,
+                        &MseSpec::default().candidates(),
+                        2.4,
+                    ),
+                ] {
+                    let h = half::f16::from_f32(m.scale());
+                    assert!(h.to_f32() > 0.0, "{v}: fp16 scale {h}");
+                    assert!(m.scale() >= SCALE_MIN);
+                    let err = dequant(&g, m, 4)[0] - v;
+                    assert!(err.abs() <= 0.5 * m.scale(), "{v}: {err}");
+                    if v == 0.0 {
+                        assert_eq!(err, 0.0);
+                    }
+                }
+            }
+        }
+        assert_eq!(encode_log2_q88(SCALE_MIN), -6144);
+        assert_eq!(decode_scale(-6144), SCALE_MIN);
+    }
+
+    #[test]
+    fn mse_stored_loss_is_the_minimum_found() {
+        // The stored (Q8.8) scale is the one evaluated: with p = 1.0 among the candidates the
+        // stored loss can never exceed the range loss, exactly.
+        let spec = GridSpec {
+            bits: 4,
+            group_size: 64,
+            symmetric: false,
+        };
+        let cands = MseSpec {
+            n_grid: 101,
+            ..Default::default()
+        }
+        .candidates();
+        assert_eq!(cands[50], 1.0);
+        for seed in 0..64u32 {
+            let g: Vec<f32> = (0..64)
+                .map(|i| {
+                    let h = (i as u32)
+                        .wrapping_mul(2_654_435_761)
+                        .wrapping_add(seed * 40_503)
+                        % 10_007;
+                    (h as f32 / 5003.5 - 1.0).powi(3) + if seed % 3 == 0 { 0.7 } else { 0.0 }
+                })
+                .collect();
+            let m0 = range_meta(&g, &spec);
+            let m = mse_refine_group(&g, m0, 4, &cands, 2.4);
+            let l = |m: QMeta| {
+                let p = m.params(4);
+                candidate_loss(&g, p.scale, p.zero, p.maxq, 2.4)
+            };
+            assert!(l(m) <= l(m0), "seed {seed}: {} > {}", l(m), l(m0));
+        }
+    }
+
     #[test]
     fn transpose() {
         let a: Vec<u8> = (0..(5 * 130)).map(|i| (i % 251) as u8).collect();
@@ -435,7 +566,7 @@ mod tests {
             let la = q[r].params(4);
             let eb = candidate_loss(g, lb.scale, lb.zero, 15.0, 2.0);
             let ea = candidate_loss(g, la.scale, la.zero, 15.0, 2.0);
-            assert!(ea <= eb * 1.01, "{ea} {eb}");
+            assert!(ea <= eb * 1.002, "{ea} {eb}");
         }
     }
 }

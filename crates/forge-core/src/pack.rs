@@ -62,7 +62,8 @@ pub fn check_pack_shape(k: usize, n: usize, spec: &GridSpec) -> Result<()> {
     Ok(())
 }
 
-/// fp16 scale of a group; errors when it does not fit fp16.
+/// fp16 scale of a group; errors when it does not fit fp16 or would round to 0
+/// (grids built by forge never store a scale below `grid::SCALE_MIN` = 2^-24).
 fn scale16(m: QMeta, row: usize, group: usize) -> Result<f16> {
     let s = m.scale();
     let h = f16::from_f32(s);
@@ -70,6 +71,13 @@ fn scale16(m: QMeta, row: usize, group: usize) -> Result<f16> {
         return Err(Error::param(
             "qmeta",
             format!("scale of output {row}, group {group} does not fit fp16 (max 65504)"),
+            s,
+        ));
+    }
+    if h.to_f32() <= 0.0 {
+        return Err(Error::param(
+            "qmeta",
+            format!("scale of output {row}, group {group} rounds to an fp16 scale of 0 (smallest positive fp16 is 2^-24)"),
             s,
         ));
     }

@@ -227,6 +227,177 @@ impl Architecture {
     }
 }
 
+/// Largest value accepted for any count or dimension read from `config.json`
+/// by [`expected_linears`] (anything above is a corrupt or hostile config).
+pub const MAX_CONFIG_DIM: usize = 1 << 24;
+
+/// A linear that `config.json` says a decoder layer holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpectedLinear {
+    /// Module name relative to the layer (`mlp.experts.3.down_proj`).
+    pub module: String,
+    /// out_features.
+    pub n: usize,
+    /// in_features.
+    pub k: usize,
+}
+
+/// A config value: top level, else `text_config`.
+fn cfg<'a>(config: &'a Value, key: &str) -> Option<&'a Value> {
+    config
+        .get(key)
+        .filter(|v| !v.is_null())
+        .or_else(|| config.get("text_config").and_then(|t| t.get(key)))
+        .filter(|v| !v.is_null())
+}
+
+/// Reads a positive count/dimension, bounded by [`MAX_CONFIG_DIM`].
+/// `Ok(None)` when absent; `Err` when present but not a plausible integer.
+pub fn config_dim(config: &Value, key: &str) -> Result<Option<usize>, String> {
+    match cfg(config, key) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if n as u128 <= MAX_CONFIG_DIM as u128 => Ok(Some(n as usize)),
+            _ => Err(format!(
+                "config.json {key} = {v} is not an integer between 0 and {MAX_CONFIG_DIM}"
+            )),
+        },
+    }
+}
+
+/// Largest routed-expert count [`expected_linears`] accepts (DeepSeek-V3 has 256).
+pub const MAX_EXPERTS: usize = 1 << 16;
+
+fn check_experts(n: usize) -> Result<(), String> {
+    if n > MAX_EXPERTS {
+        return Err(format!(
+            "config.json declares {n} routed experts; more than {MAX_EXPERTS} is not a real model"
+        ));
+    }
+    Ok(())
+}
+
+/// `model_type` values whose decoder layer is the plain Llama layout
+/// (q/k/v/o_proj, gate/up/down_proj).
+const LLAMA_LIKE: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+
+/// The linears of decoder layer `layer` implied by `config.json`, with their
+/// shapes: `Ok(None)` when the family's layout is not known well enough (or the
+/// config lacks a dimension) to say, so callers skip the check; `Err` when the
+/// config holds an implausible value. MTP layers (index ≥ `num_hidden_layers`)
+/// are not described. Read-only: used by `verify`, usable at plan time.
+pub fn expected_linears(
+    arch: &Architecture,
+    config: &Value,
+    layer: usize,
+) -> Result<Option<Vec<ExpectedLinear>>, String> {
+    let d = |k: &str| config_dim(config, k);
+    let mut out = Vec::new();
+    let mut push = |module: String, n: usize, k: usize| out.push(ExpectedLinear { module, n, k });
+    let model_type = cfg(config, "model_type")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let Some(hidden) = d("hidden_size")? else {
+        return Ok(None);
+    };
+    let Some(heads) = d("num_attention_heads")? else {
+        return Ok(None);
+    };
+    if arch.name == DEEPSEEK.name {
+        let (Some(nope), Some(rope), Some(v), Some(kv_lora)) = (
+            d("qk_nope_head_dim")?,
+            d("qk_rope_head_dim")?,
+            d("v_head_dim")?,
+            d("kv_lora_rank")?,
+        ) else {
+            return Ok(None);
+        };
+        let qk = nope + rope;
+        match d("q_lora_rank")? {
+            Some(r) => {
+                push("self_attn.q_a_proj".into(), r, hidden);
+                push("self_attn.q_b_proj".into(), heads * qk, r);
+            }
+            None => push("self_attn.q_proj".into(), heads * qk, hidden),
+        }
+        push(
+            "self_attn.kv_a_proj_with_mqa".into(),
+            kv_lora + rope,
+            hidden,
+        );
+        push("self_attn.kv_b_proj".into(), heads * (nope + v), kv_lora);
+        push("self_attn.o_proj".into(), hidden, heads * v);
+        let first_dense = d("first_k_dense_replace")?.unwrap_or(0);
+        let freq = d("moe_layer_freq")?.unwrap_or(1).max(1);
+        let experts = d("n_routed_experts")?.unwrap_or(0);
+        if experts == 0 || layer < first_dense || !layer.is_multiple_of(freq) {
+            let Some(inter) = d("intermediate_size")? else {
+                return Ok(None);
+            };
+            for m in ["gate_proj", "up_proj"] {
+                push(format!("mlp.{m}"), inter, hidden);
+            }
+            push("mlp.down_proj".into(), hidden, inter);
+        } else {
+            let Some(moe) = d("moe_intermediate_size")? else {
+                return Ok(None);
+            };
+            check_experts(experts)?;
+            for e in 0..experts {
+                push(format!("mlp.experts.{e}.gate_proj"), moe, hidden);
+                push(format!("mlp.experts.{e}.up_proj"), moe, hidden);
+                push(format!("mlp.experts.{e}.down_proj"), hidden, moe);
+            }
+            let shared = d("n_shared_experts")?.unwrap_or(0);
+            if shared > 0 {
+                let i = moe * shared;
+                push("mlp.shared_experts.gate_proj".into(), i, hidden);
+                push("mlp.shared_experts.up_proj".into(), i, hidden);
+                push("mlp.shared_experts.down_proj".into(), hidden, i);
+            }
+        }
+        return Ok(Some(out));
+    }
+    // Llama-like attention (also Qwen-MoE and Mixtral).
+    let kv_heads = d("num_key_value_heads")?.unwrap_or(heads);
+    let head_dim = match d("head_dim")? {
+        Some(h) => h,
+        None if heads > 0 && hidden.is_multiple_of(heads) => hidden / heads,
+        None => return Ok(None),
+    };
+    let attn = |push: &mut dyn FnMut(String, usize, usize)| {
+        push("self_attn.q_proj".into(), heads * head_dim, hidden);
+        push("self_attn.k_proj".into(), kv_heads * head_dim, hidden);
+        push("self_attn.v_proj".into(), kv_heads * head_dim, hidden);
+        push("self_attn.o_proj".into(), hidden, heads * head_dim);
+    };
+    if arch.name == MIXTRAL.name {
+        let (Some(inter), Some(experts)) = (d("intermediate_size")?, d("num_local_experts")?)
+        else {
+            return Ok(None);
+        };
+        check_experts(experts)?;
+        attn(&mut push);
+        for e in 0..experts {
+            push(format!("block_sparse_moe.experts.{e}.w1"), inter, hidden);
+            push(format!("block_sparse_moe.experts.{e}.w3"), inter, hidden);
+            push(format!("block_sparse_moe.experts.{e}.w2"), hidden, inter);
+        }
+        return Ok(Some(out));
+    }
+    if arch.name == GENERIC.name && LLAMA_LIKE.contains(&model_type) {
+        let Some(inter) = d("intermediate_size")? else {
+            return Ok(None);
+        };
+        attn(&mut push);
+        push("mlp.gate_proj".into(), inter, hidden);
+        push("mlp.up_proj".into(), inter, hidden);
+        push("mlp.down_proj".into(), hidden, inter);
+        return Ok(Some(out));
+    }
+    Ok(None)
+}
+
 /// Reads `num_hidden_layers` (top level or `text_config`).
 pub fn num_hidden_layers(config: &Value) -> Option<usize> {
     let get = |c: &Value| c.get("num_hidden_layers").and_then(Value::as_u64);
@@ -305,6 +476,7 @@ fn glob(p: &[u8], s: &[u8]) -> bool {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use serde_json::json;
@@ -351,6 +523,48 @@ mod tests {
         );
         assert!(QWEN_MOE.is_router("model.layers.0.mlp.shared_expert_gate"));
         assert!(!QWEN_MOE.is_router("model.layers.0.mlp.gate_proj"));
+    }
+
+    #[test]
+    fn expected_deepseek_layout() {
+        let c = json!({"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 2,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32,
+            "q_lora_rank": 48, "first_k_dense_replace": 1, "intermediate_size": 96,
+            "moe_intermediate_size": 24, "n_routed_experts": 4, "n_shared_experts": 1});
+        let dense = expected_linears(&DEEPSEEK, &c, 0).unwrap().unwrap();
+        assert!(dense.contains(&ExpectedLinear {
+            module: "mlp.down_proj".into(),
+            n: 64,
+            k: 96
+        }));
+        assert!(dense.contains(&ExpectedLinear {
+            module: "self_attn.q_b_proj".into(),
+            n: 48,
+            k: 48
+        }));
+        let moe = expected_linears(&DEEPSEEK, &c, 1).unwrap().unwrap();
+        assert_eq!(moe.len(), 5 + 4 * 3 + 3);
+        assert!(moe.contains(&ExpectedLinear {
+            module: "mlp.experts.3.down_proj".into(),
+            n: 64,
+            k: 24
+        }));
+        let huge = json!({"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 2,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32,
+            "moe_intermediate_size": 24, "n_routed_experts": 1u64 << 60});
+        assert!(expected_linears(&DEEPSEEK, &huge, 1).is_err());
+        let many = json!({"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 2,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32,
+            "moe_intermediate_size": 24, "n_routed_experts": 1u64 << 20});
+        assert!(expected_linears(&DEEPSEEK, &many, 1).is_err());
+        assert_eq!(
+            expected_linears(
+                &GENERIC,
+                &json!({"model_type": "phi3", "hidden_size": 8, "num_attention_heads": 2}),
+                0
+            ),
+            Ok(None)
+        );
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use std::ffi::OsString;
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -455,6 +455,9 @@ fn run_cli(cli: Cli) -> Result<Outcome> {
             if no_progress {
                 put("progress", json!(false));
             }
+            if let Some(n) = threads {
+                check_threads(n)?;
+            }
             let opts = crate::Options::from_json(&serde_json::Value::Object(m))?;
             if opts.method == crate::options::Method::Gptq {
                 return Ok(Outcome::Calibrate {
@@ -463,6 +466,9 @@ fn run_cli(cli: Cli) -> Result<Outcome> {
                     options: opts.to_json(),
                     json,
                 });
+            }
+            if NATIVE.load(Ordering::Relaxed) {
+                install_interrupt_hint();
             }
             let bar = BarProgress::new(opts.progress);
             let report = crate::run::quantize(&model_dir, &out_dir, &opts, &bar)?;
@@ -572,6 +578,65 @@ where
         }
     }
 }
+
+/// Most worker threads `--threads` accepts, whatever the machine.
+pub const MAX_THREADS: usize = 4096;
+
+/// Rejects `--threads` above [`MAX_THREADS`] or above 64 × the available cores
+/// (thread stacks and per-thread buffers would exhaust memory long before any gain).
+pub fn check_threads(n: usize) -> Result<()> {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let cap = MAX_THREADS.min(64 * cores);
+    if n > cap {
+        return Err(Error::options(
+            "--threads",
+            format!("{n} is too many: at most {cap} (64 × the {cores} available cores, and never more than {MAX_THREADS})"),
+        ));
+    }
+    Ok(())
+}
+
+/// Set by [`main_native`]: the process is the `forge-rs` binary, so the CLI may
+/// own its signal handlers.
+static NATIVE: AtomicBool = AtomicBool::new(false);
+
+/// [`main`] for the native `forge-rs` binary: also prints a one-line
+/// "interrupted; rerun with --resume" hint when `quantize` gets Ctrl-C or SIGTERM.
+/// (Python's `python -m forge` keeps its own handling, and gets
+/// [`Error::Interrupted`]'s message.)
+pub fn main_native<I, T>(argv: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    NATIVE.store(true, Ordering::Relaxed);
+    main(argv)
+}
+
+/// On SIGINT/SIGTERM: write the hint and exit at once with 128 + signal, as the
+/// default action would. Exiting mid-layer is safe: the run is resumable after a
+/// kill by design (manifest of finished units, `.partial` files), and the OS
+/// releases the output-directory lock.
+#[cfg(unix)]
+fn install_interrupt_hint() {
+    extern "C" fn on_signal(sig: libc::c_int) {
+        const MSG: &[u8] = b"\nforge-rs: interrupted; rerun with --resume to continue\n";
+        // SAFETY: write(2) and _exit(2) are async-signal-safe; MSG is a static buffer.
+        unsafe {
+            libc::write(2, MSG.as_ptr().cast(), MSG.len());
+            libc::_exit(128 + sig);
+        }
+    }
+    let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: installs a handler that only calls async-signal-safe functions.
+    unsafe {
+        libc::signal(libc::SIGINT, handler);
+        libc::signal(libc::SIGTERM, handler);
+    }
+}
+
+#[cfg(not(unix))]
+fn install_interrupt_hint() {}
 
 /// `cpu` → `None`, `cuda` → `Some(0)`, `cuda:N` → `Some(N)`.
 pub fn parse_device(s: &str) -> Result<Option<usize>> {

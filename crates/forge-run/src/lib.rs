@@ -14,6 +14,7 @@
 //!   results arrive, a manifest of finished units for `--resume` (byte-identical
 //!   to an uninterrupted run), `config.json` and the index written last.
 //! - [`verify`], [`inspect`]: checks and summaries of checkpoint folders.
+//! - [`lock`]: the exclusive lock on an output directory.
 //! - [`cli`]: the `forge-rs` command line, also reached from Python.
 //!
 //! Invariants: memory is bounded by the linears being quantized at once (a
@@ -26,6 +27,7 @@ pub mod arch;
 pub mod cli;
 mod error;
 pub mod inspect;
+pub mod lock;
 pub mod options;
 pub mod plan;
 pub mod quantizer;

@@ -362,14 +362,12 @@ impl Options {
     pub fn validate(&self) -> Result<()> {
         self.quant()?;
         self.cuda_device()?;
+        crate::verify::check_quant_options(&self.quant()?)?;
         if let Some(t) = self.threads {
-            let cap = 64 * std::thread::available_parallelism().map_or(1, |n| n.get());
-            if t == 0 || t > cap.max(256) {
-                return Err(Error::options(
-                    "threads",
-                    format!("must be between 1 and {}, got {t}", cap.max(256)),
-                ));
+            if t == 0 {
+                return Err(Error::options("threads", "must be at least 1"));
             }
+            crate::cli::check_threads(t)?;
         }
         if self.method == Method::Gptq {
             if self.nsamples == 0 {

@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use crate::options::{Method, Options};
 use crate::plan::{QuantOptions, RunPlan};
 use crate::quantizer::{LayerJob, LinearJob, LinearQuantizer, RtnQuantizer};
+use crate::lock::OutDirLock;
 use crate::session::Session;
 use crate::{Error, Result};
 
@@ -217,8 +218,9 @@ fn dir_entries(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// State of `OUT_DIR` before the run.
 pub(crate) enum Start {
-    Fresh,
+    Fresh(OutDirLock),
     Resume {
+        lock: OutDirLock,
         done: Vec<String>,
         state: Option<(String, String)>,
     },
@@ -243,10 +245,15 @@ pub(crate) fn prepare_out_dir(
             "is the model directory or contains it; choose another directory",
         ));
     }
-    let entries = dir_entries(out_dir)?;
+    std::fs::create_dir_all(out_dir).map_err(Error::io("create directory", out_dir))?;
+    // Exclusive for the whole run: a second run into the same folder is refused.
+    let lock = OutDirLock::acquire(out_dir)?;
+    let entries: Vec<PathBuf> = dir_entries(out_dir)?
+        .into_iter()
+        .filter(|p| !crate::lock::is_lock_file(p))
+        .collect();
     if entries.is_empty() {
-        std::fs::create_dir_all(out_dir).map_err(Error::io("create directory", out_dir))?;
-        return Ok(Start::Fresh);
+        return Ok(Start::Fresh(lock));
     }
     let manifest_path = out_dir.join(MANIFEST_FILE);
     if resume && !overwrite {
@@ -306,7 +313,7 @@ pub(crate) fn prepare_out_dir(
                 s.get("file")?.as_str()?.to_owned(),
             ))
         });
-        return Ok(Start::Resume { done, state });
+        return Ok(Start::Resume { lock, done, state });
     }
     if !overwrite {
         return Err(err("is not empty; pass --overwrite to replace its files, or --resume to continue an interrupted run"));
@@ -318,7 +325,7 @@ pub(crate) fn prepare_out_dir(
         }
         std::fs::remove_file(&p).map_err(Error::io("remove", &p))?;
     }
-    Ok(Start::Fresh)
+    Ok(Start::Fresh(lock))
 }
 
 fn short(v: Option<&Value>) -> String {
@@ -395,6 +402,12 @@ pub(crate) fn copy_side_files(
             continue;
         }
         let meta = std::fs::metadata(&src).map_err(Error::io("stat", &src))?;
+        if !meta.is_dir() && !meta.is_file() {
+            notes.push(format!(
+                "{name} in the model directory is not a regular file (a pipe, socket or device); not copied"
+            ));
+            continue;
+        }
         if meta.is_dir() {
             notes.push(format!(
                 "subdirectory {name}/ of the model directory was not copied"

@@ -32,6 +32,7 @@ use forge_core::QMeta;
 use forge_io::{Checkpoint, ShardPlan, ShardWriter, PARTIAL_SUFFIX};
 use serde_json::{json, Value};
 
+use crate::lock::OutDirLock;
 use crate::options::{Method, Options};
 use crate::plan::{self, Action, RunPlan, Unit};
 use crate::run::{
@@ -61,6 +62,7 @@ pub struct Session {
     resumed: usize,
     resumed_bytes: u64,
     t0: Instant,
+    _lock: OutDirLock,
 }
 
 fn calib_fingerprint(opts: &Options) -> Result<Value> {
@@ -129,13 +131,15 @@ impl Session {
             opts.overwrite,
             &manifest_base,
         )?;
-        let (writer, mut done, state) = match start {
-            Start::Fresh => (
+        let (lock, writer, mut done, state) = match start {
+            Start::Fresh(lock) => (
+                lock,
                 ShardWriter::create(out_dir, shard_plan, &Default::default())?,
                 BTreeSet::new(),
                 None,
             ),
-            Start::Resume { done, state } => (
+            Start::Resume { lock, done, state } => (
+                lock,
                 ShardWriter::create_or_reopen(out_dir, shard_plan, &Default::default())?,
                 done.into_iter().collect(),
                 state,
@@ -222,6 +226,7 @@ impl Session {
             resumed,
             resumed_bytes,
             t0,
+            _lock: lock,
         };
         s.save_manifest()?;
         Ok(s)
@@ -448,6 +453,7 @@ impl Session {
             mut notes,
             resumed,
             t0,
+            _lock: lock,
             ..
         } = self;
         let n_shards = writer.plan().shards().len();
@@ -489,6 +495,7 @@ impl Session {
         }
         let manifest = out_dir.join(MANIFEST_FILE);
         std::fs::remove_file(&manifest).map_err(Error::io("remove", &manifest))?;
+        drop(lock);
         let total_bytes: u64 = plan.units.iter().map(|u| u.bytes_in).sum();
         Ok(RunReport {
             out_dir,
