@@ -147,7 +147,7 @@ def test_written_weights_are_gptq_of_the_tapped_hessian(monkeypatch, src, ids_fi
 def test_gptq_beats_rtn_and_next_layer_inputs_follow_the_checkpoint(monkeypatch, src, ids_file, tmp_path):
     out = tmp_path / "o"
     _, tap = _run(monkeypatch, src, out, ids_file)
-    rows = json.loads((out / "forge_report.json").read_text())["linears"]
+    rows = json.loads((out / "forge/report.json").read_text())["linears"]
     gptq_rows = [r for r in rows if r["method"] == "gptq"]
     assert len(gptq_rows) > 20
     for r in gptq_rows:
@@ -194,14 +194,14 @@ def test_few_token_experts_take_the_fallback(monkeypatch, src, ids_file, tmp_pat
     for mode in ("pooled", "rtn"):
         out = tmp_path / mode
         _run(monkeypatch, dead, out, ids_file, few_tokens=mode)
-        rows = json.loads((out / "forge_report.json").read_text())["linears"]
+        rows = json.loads((out / "forge/report.json").read_text())["linears"]
         r0 = [r for r in rows if r["module"].startswith("model.layers.1.mlp.experts.0.")]
         assert r0 and all(r["tokens"] == 0 and r["fallback"] == mode for r in r0)
         assert all(r["method"] == ("gptq" if mode == "pooled" else "rtn") for r in r0)
         forge.verify(out)
         sd = dequantized_state_dict(out, G)
         assert all(bool(torch.isfinite(v.float()).all()) for v in sd.values())
-    stats = load_file(tmp_path / "rtn" / "router_stats.safetensors")
+    stats = load_file(tmp_path / "rtn" / "forge" / "router_stats.safetensors")
     layers = stats["layers"].tolist()
     assert stats["counts"][layers.index(1), 0] == 0
     # every token routes to top-2 experts: counts sum to 2 * tokens
@@ -221,9 +221,12 @@ def test_resume_after_an_abort_is_byte_identical(monkeypatch, src, ids_file, tmp
         forge.quantize_model(src, part, **_opts(ids_file, nsamples=4, resume=True))
     rep = forge.quantize_model(src, part, **_opts(ids_file, resume=True))
     assert rep.resumed_units == 3  # non-layer tensors + 2 layers
-    for f in sorted(whole.iterdir()):
-        if f.name.endswith((".safetensors", ".json")) and f.name != "forge_report.json":
-            assert (part / f.name).read_bytes() == f.read_bytes(), f.name
+    files = [f for f in sorted(whole.iterdir()) if f.name.endswith((".safetensors", ".json"))]
+    files.append(whole / "forge" / "router_stats.safetensors")
+    assert len(files) >= 4
+    for f in files:
+        rel = f.relative_to(whole)
+        assert (part / rel).read_bytes() == f.read_bytes(), rel
     forge.verify(part)
 
 
@@ -233,7 +236,7 @@ def test_other_families_quantize_and_verify(kind, ids_file, tmp_path):
     rep = forge.quantize_model(src, tmp_path / "o", **_opts(ids_file))
     assert rep.quantizer == "gptq-range" and rep.quantized > 0
     forge.verify(tmp_path / "o")
-    rows = json.loads((tmp_path / "o" / "forge_report.json").read_text())["linears"]
+    rows = json.loads((tmp_path / "o" / "forge/report.json").read_text())["linears"]
     assert all(r["err_gptq"] < r["err_rtn"] for r in rows if r["method"] == "gptq")
 
 

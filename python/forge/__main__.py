@@ -102,7 +102,7 @@ def _calibrate_main(model_dir: str, out_dir: str, options: dict, as_json: bool) 
     else:
         print(
             f"quantized {r.quantized} linears ({r.arch} family, {r.quantizer}) in {r.seconds:.1f}s "
-            f"into {r.shards} shard(s); report: {out_dir}/forge_report.md",
+            f"into {r.shards} shard(s); report: {out_dir}/forge/report.md",
             file=sys.stderr,
         )
     return 0

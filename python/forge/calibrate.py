@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from . import _native
 from .errors import CheckpointError, InvalidValueError
-from .quant import build_quant_grid, dequantize_awq, gptq_quantize, pack_awq, quantize_rtn
+from .quant import build_quant_grid, gptq_quantize, quantize_rtn
 
 __all__ = ["quantize_gptq", "load_calibration", "hessian_error"]
 
@@ -61,6 +61,43 @@ layer and ``TAP("hessian", module=name, hessian=H, tokens=n)`` before each solve
 normalised by the token count)."""
 
 ABORT_ENV = "FORGE_TEST_ABORT_AFTER_LAYERS"
+
+
+class _Phases:
+    """Seconds per phase of the run (CUDA synchronised at each boundary, so GPU time lands in
+    the phase that queued it); nested phases are subtracted from their parent."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._stack: list[list] = []
+
+    def __call__(self, name: str):
+        return _Phase(self, name)
+
+
+class _Phase:
+    def __init__(self, owner: _Phases, name: str):
+        self.o, self.name = owner, name
+
+    def __enter__(self):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+        self.o._stack.append([self.name, 0.0])
+        return self
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - self.t0
+        _, inner = self.o._stack.pop()
+        self.o.seconds[self.name] = self.o.seconds.get(self.name, 0.0) + dt - inner
+        if self.o._stack:
+            self.o._stack[-1][1] += dt
+        return False
+
+
+PHASES = _Phases()
 
 
 def _tap(event: str, **data) -> None:
@@ -173,6 +210,10 @@ class _Hessian:
             self.h = torch.zeros(k, k, dtype=torch.float32, device=device)
 
     def add(self, x: torch.Tensor) -> None:
+        with PHASES("hessian"):
+            self._add(x)
+
+    def _add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])
         if x.shape[0] == 0:
             return
@@ -205,42 +246,78 @@ class _Solved:
 
 def _solve(w: torch.Tensor, h: torch.Tensor | None, opts: dict, tokens: int, fallback: str | None) -> _Solved:
     """GPTQ of one weight ``(N, K)`` with ``H`` (or RTN when ``h`` is None), plus its report row."""
+    with PHASES("gptq"):
+        return _solve_inner(w, h, opts, tokens, fallback)
+
+
+def _solve_inner(w, h, opts, tokens, fallback) -> _Solved:
     g, sym, grid = opts["group_size"], opts["symmetric"], opts["grid"]
     kw = dict(quant_max_shrink=opts["mse_shrink"], quant_n_grid=opts["mse_grid"], quant_norm=opts["mse_norm"])
     w32 = w.float().contiguous()
     t0 = time.perf_counter()
     if h is None:
         qmeta, _, _ = build_quant_grid(w32, g, 4, sym, grid, **kw)
-        codes = quantize_rtn(w32, qmeta, 4, g)
-        deq = _dequant(codes, qmeta, g).to(w32.device)
+        codes = quantize_rtn(w32, qmeta, 4, g).to(w32.device)
+        deq = _dequant(codes, qmeta, g)
         info = {"method": "rtn", "damp": None, "retries": 0, "dead": 0}
     else:
         r = gptq_quantize(w32, h, 4, g, sym, grid, opts["act_order"], opts["damp"], opts["block_size"], **kw)
         codes, qmeta = r.codes, r.qmeta
         # The weights the checkpoint will hold (fp16 scales), so later layers see exactly them.
-        deq = _dequant(codes, qmeta, g).to(w32.device)
+        deq = _dequant(codes, qmeta, g)
         info = {"method": "gptq", "damp": r.factor.damp, "retries": r.factor.retries, "dead": r.factor.dead}
     info.update(tokens=tokens, fallback=fallback, seconds=time.perf_counter() - t0)
     return _Solved(codes, qmeta, deq, info)
 
 
+def _grid(qmeta: torch.Tensor, g: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-element zero points and fp16-rounded scales ``(N, K)`` of a grid, as AWQ stores them."""
+    from .quant import decode_qmeta
+
+    scale, zero, sym = decode_qmeta(qmeta.cpu())
+    z = torch.where(sym, torch.full_like(zero, 8), zero).float()
+    s16 = scale.half().float()
+    return (
+        z.to(device).repeat_interleave(g, 1)[:, :k],
+        s16.to(device).repeat_interleave(g, 1)[:, :k],
+    )
+
+
 def _dequant(codes: torch.Tensor, qmeta: torch.Tensor, g: int) -> torch.Tensor:
-    """``(N, K)`` float32 weight of codes ``(K, N)`` on a grid, through the AWQ layout."""
-    qw, qz, sc = pack_awq(codes.cpu(), qmeta.cpu(), g)
-    return dequantize_awq(qw, qz, sc, g).float()
+    """``(N, K)`` float32 weight of codes ``(K, N)`` on a grid, exactly as the AWQ checkpoint
+    dequantizes (``(q − z) · fp16(scale)``), on the codes' device."""
+    z, s16 = _grid(qmeta, g, codes.shape[0], codes.device)
+    return (codes.t().float() - z) * s16
+
+
+def _rtn_dequant(w: torch.Tensor, qmeta: torch.Tensor, g: int) -> torch.Tensor:
+    """Round to nearest on the same grid (for the report's RTN baseline), on ``w``'s device."""
+    from .quant import decode_qmeta
+
+    scale, zero, sym = decode_qmeta(qmeta.cpu())
+    k = w.shape[1]
+    z = torch.where(sym, torch.full_like(zero, 8), zero).float().to(w.device).repeat_interleave(g, 1)[:, :k]
+    inv = (1.0 / scale).to(w.device).repeat_interleave(g, 1)[:, :k]
+    q = torch.clamp(torch.round(w.float() * inv + z), 0, 15)
+    zz, s16 = _grid(qmeta, g, k, w.device)
+    return (q - zz) * s16
 
 
 def _errors(w: torch.Tensor, s: _Solved, h: torch.Tensor | None, opts: dict) -> None:
     """Adds GPTQ's and RTN's (same grid) relative output errors to the report row."""
+    with PHASES("report errors"):
+        _errors_inner(w, s, h, opts)
+
+
+def _errors_inner(w, s, h, opts) -> None:
     if h is None:
         s.info.update(err_gptq=None, err_rtn=None)
         return
-    g = opts["group_size"]
-    rtn = _dequant(quantize_rtn(w.float().cpu(), s.qmeta.cpu(), 4, g), s.qmeta, g).to(h.device)
-    hh = h.float()
+    wd = w.to(h.device).float()
+    rtn = _rtn_dequant(wd, s.qmeta, opts["group_size"])
     s.info.update(
-        err_gptq=hessian_error(w.to(h.device), s.deq.to(h.device), hh),
-        err_rtn=hessian_error(w.to(h.device), rtn, hh),
+        err_gptq=hessian_error(wd, s.deq.to(h.device), h),
+        err_rtn=hessian_error(wd, rtn, h),
     )
 
 
@@ -350,13 +427,26 @@ def _tensor(sess, name: str) -> torch.Tensor:
 
 def _load_weight(sess, name: str, device: torch.device, dtype: torch.dtype, block: int) -> torch.Tensor:
     """A source tensor on ``device``: FP8 times its ``weight_scale_inv`` per block, else cast."""
-    t = _tensor(sess, name)
+    with PHASES("read"):
+        t = _tensor(sess, name)
+        if t.dtype == torch.float8_e4m3fn or t.dtype == dtype or not t.is_floating_point():
+            t = t.to(device)
     if t.dtype == torch.float8_e4m3fn:
+        with PHASES("fp8 dequant"):
+            return _fp8_dequant(sess, name, t, device, dtype, block)
+    if t.is_floating_point():
+        with PHASES("read"):
+            return t.to(device=device, dtype=dtype)
+    return t
+
+
+def _fp8_dequant(sess, name: str, t: torch.Tensor, device, dtype, block: int) -> torch.Tensor:
+    if True:
         scale_name = f"{name}_scale_inv"
         if not sess.has_tensor(scale_name):
             raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name}")
         s = _tensor(sess, scale_name).to(device, torch.float32)
-        w = t.to(device).float()
+        w = t.float()
         n, k = w.shape
         sb = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
         if sb.shape != w.shape:
@@ -506,9 +596,10 @@ class _Ctx:
 def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
     """The decoder layer ``unit['layer']`` on the compute device, weights from the checkpoint;
     routed experts moved into a :class:`_RoutedExperts` (per-expert weights)."""
+    import copy
+
     li = unit["layer"]
-    layer = meta_layers[li]
-    layer.to_empty(device=ctx.device)
+    layer = copy.deepcopy(meta_layers[li])  # the meta model keeps its own, empty, layer
     pre = f"{ctx.prefix}{li}."
     fam = _FAMILY_EXPERTS.get(ctx.family, _FAMILY_EXPERTS["generic"])
     names = {t["name"] for t in unit["tensors"]}
@@ -523,6 +614,9 @@ def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
                 f"{pre}{fam.ckpt_block[0]}.experts.<e>.{fam.gate}.weight (per-expert tensors are required)"
             )
         n_exp = int(getattr(block.experts, "num_experts", 0) or len(block.gate.weight))
+        act = block.experts.act_fn
+        # Swap the fused experts out before anything is allocated: forge keeps them per expert.
+        block.experts = torch.nn.Identity()
         weights: dict[int, list[torch.Tensor]] = {}
         for e in range(n_exp):
             ws = []
@@ -532,9 +626,11 @@ def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
                     raise CheckpointError(f"layer {li}: missing tensor {nm!r}")
                 ws.append(_load_weight(ctx.sess, nm, ctx.device, ctx.dtype, ctx.block))
             weights[e] = ws
-        routed = _RoutedExperts(weights, n_exp, block.experts.act_fn)
-        block.experts = routed
+        routed = _RoutedExperts(weights, n_exp, act)
         routed.ckpt_prefix = f"{pre}{ck}.experts."  # type: ignore[attr-defined]
+    layer.to_empty(device=ctx.device)
+    if routed is not None:
+        getattr(layer, moe_attr).experts = routed
     # Every other parameter and buffer from the checkpoint.
     missing = []
     for pname, p in list(layer.named_parameters()) + list(layer.named_buffers()):
@@ -579,6 +675,9 @@ def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    global PHASES
+    PHASES = _Phases()
+    t_start = time.perf_counter()
     sess = _native.Session(os.fspath(model_dir), os.fspath(out_dir), json.dumps(options))
     opts = sess.options()
     summary = sess.summary()
@@ -699,6 +798,9 @@ def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
             raise RuntimeError(f"test abort after {processed} units ({ABORT_ENV})")
     bar.close()
     hidden.drop()
+    PHASES.seconds["total"] = time.perf_counter() - t_start
+    if device.type == "cuda":
+        notes.append(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
     extra = _reports(ctx, summary, notes)
     rep = sess.finish(extra)
     rep["notes"] = list(rep.get("notes", [])) + notes
@@ -743,7 +845,8 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
     opts, li = ctx.opts, u["layer"]
     if TAP is not None:
         _tap("layer_input", layer=li, hidden=[hidden[i] for i in range(len(hidden))])
-    layer, routed, moe_attr = _build_layer(ctx, meta_layers, u)
+    with PHASES("build layer"):
+        layer, routed, moe_attr = _build_layer(ctx, meta_layers, u)
     pre = f"{ctx.prefix}{li}."
     planned = {lin["module"]: lin for lin in u["linears"]}
     expert_mods = {m for m in planned if routed is not None and m.startswith(routed.ckpt_prefix)}
@@ -799,7 +902,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             for ci in range(len(chunks)):
                 seen_in.clear()
                 try:
-                    with torch.no_grad():
+                    with torch.no_grad(), PHASES("forward"):
                         _forward(layer, hidden[ci], rotary)
                 except _StopForward:
                     pass
@@ -819,12 +922,14 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             _tap("hessian", module=name, hessian=hf, tokens=h.tokens)
             s = _solve(w, hf, opts, h.tokens, None)
             _errors(w, s, hf, opts)
-            ctx.sess.write_linear(name, s.codes.cpu().contiguous(), s.qmeta.cpu().contiguous())
+            with PHASES("pack+write"):
+                ctx.sess.write_linear(name, s.codes.cpu().contiguous(), s.qmeta.cpu().contiguous())
             mod.weight.data = s.deq.to(w.device, w.dtype)
             ctx.report.append({"layer": li, "module": name, **s.info})
         del hs
         if collect and routed is not None:
-            routed_rows = _solve_experts(ctx, routed, u, stats, fam, hblock, bar)
+            with PHASES("experts: gather + forward"):
+                routed_rows = _solve_experts(ctx, routed, u, stats, fam, hblock, bar)
             routed.collected = []
 
     # Final pass: the next layer's inputs (routed output replayed when computed expert-major).
@@ -838,7 +943,8 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             routed.stats = stats if routed_rows is None else None
     with torch.no_grad():
         for ci in range(len(chunks)):
-            out = _forward(layer, hidden[ci], rotary)
+            with PHASES("forward"):
+                out = _forward(layer, hidden[ci], rotary)
             if not bool(torch.isfinite(out).all()):
                 raise InvalidValueError(
                     f"layer {li}: the forward produced NaN or Inf (calibration chunk {ci})"
@@ -931,7 +1037,8 @@ def _solve_experts(
         ):
             m = base + leaf
             if m in planned:
-                ctx.sess.write_linear(m, codes.cpu().contiguous(), qmeta.cpu().contiguous())
+                with PHASES("pack+write"):
+                    ctx.sess.write_linear(m, codes.cpu().contiguous(), qmeta.cpu().contiguous())
                 written.add(m)
         for leaf, s in ((f"{fam.gate}+{fam.up}", s_gu), (fam.down, s_d)):
             ctx.report.append({"layer": li, "module": base + leaf, "expert": e, **s.info})
@@ -958,8 +1065,9 @@ def _reports(ctx: _Ctx, summary: dict, notes: list[str]) -> list[tuple[str, byte
         "notes": notes,
         "linears": rows,
         "layer_seconds": {str(k): v for k, v in ctx.layer_seconds.items()},
+        "phase_seconds": dict(PHASES.seconds),
     }
-    files.append(("forge_report.json", (json.dumps(summary_json, indent=1) + "\n").encode()))
+    files.append(("forge/report.json", (json.dumps(summary_json, indent=1) + "\n").encode()))
     lines = [
         "# 4bit-forge GPTQ report",
         "",
@@ -984,10 +1092,10 @@ def _reports(ctx: _Ctx, summary: dict, notes: list[str]) -> list[tuple[str, byte
             f"| {r['layer']} | {r['module']} | {r['tokens']} | {r['method']} | {r.get('fallback') or ''} | "
             f"{f(r.get('damp'))} | {r.get('retries', 0)} | {f(r.get('err_gptq'))} | {f(r.get('err_rtn'))} | {r['seconds']:.2f} |"
         )
-    files.append(("forge_report.md", ("\n".join(lines) + "\n").encode()))
+    files.append(("forge/report.md", ("\n".join(lines) + "\n").encode()))
     png = _error_plot(rows)
     if png is not None:
-        files.append(("forge_report.png", png))
+        files.append(("forge/report.png", png))
     if ctx.stats:
         from safetensors.torch import save
 
@@ -1000,7 +1108,7 @@ def _reports(ctx: _Ctx, summary: dict, notes: list[str]) -> list[tuple[str, byte
         }
         files.append(
             (
-                "router_stats.safetensors",
+                "forge/router_stats.safetensors",
                 save(
                     t,
                     # one key: safetensors writes metadata in no fixed order
@@ -1008,7 +1116,9 @@ def _reports(ctx: _Ctx, summary: dict, notes: list[str]) -> list[tuple[str, byte
                         "forge": json.dumps(
                             {
                                 "format": "4bit-forge router stats v1",
-                                "scoring": _FAMILY_EXPERTS.get(ctx.family, _FAMILY_EXPERTS["generic"]).scoring,
+                                "scoring": _FAMILY_EXPERTS.get(
+                                    ctx.family, _FAMILY_EXPERTS["generic"]
+                                ).scoring,
                             },
                             sort_keys=True,
                         )
@@ -1024,7 +1134,7 @@ def _reports(ctx: _Ctx, summary: dict, notes: list[str]) -> list[tuple[str, byte
             }
             for i in layers
         }
-        files.append(("router_stats.json", (json.dumps(js) + "\n").encode()))
+        files.append(("forge/router_stats.json", (json.dumps(js) + "\n").encode()))
     return files
 
 

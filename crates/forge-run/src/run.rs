@@ -17,10 +17,10 @@ use forge_core::pack::AwqTensors;
 use forge_io::{Checkpoint, ShardPlan, INDEX_FILE, PARTIAL_SUFFIX};
 use serde_json::{json, Value};
 
+use crate::lock::OutDirLock;
 use crate::options::{Method, Options};
 use crate::plan::{QuantOptions, RunPlan};
 use crate::quantizer::{LayerJob, LinearJob, LinearQuantizer, RtnQuantizer};
-use crate::lock::OutDirLock;
 use crate::session::Session;
 use crate::{Error, Result};
 

@@ -42,6 +42,9 @@ use crate::run::{
 use crate::{Error, Result, RunReport};
 
 const MANIFEST_FORMAT: &str = "4bit-forge run manifest v2";
+/// Folder inside the output folder holding reports and router statistics
+/// (kept apart so that no loader takes `router_stats.safetensors` for a shard).
+pub const REPORT_DIR: &str = "forge";
 /// Folder inside the output folder holding the caller's resume state.
 pub const STATE_DIR: &str = "forge-state";
 
@@ -461,13 +464,20 @@ impl Session {
         writer.finish()?;
         copy_side_files(&model_dir, &out_dir, &mut notes)?;
         for (name, bytes) in extra {
-            if name.contains('/') || name.contains('\\') || name.starts_with('.') {
+            // A plain name, or one inside the report folder `forge/`.
+            let (dir, file) = match name.split_once('/') {
+                Some((d, f)) if d == REPORT_DIR => (out_dir.join(d), f),
+                Some(_) => ("".into(), ""),
+                None => (out_dir.clone(), name.as_str()),
+            };
+            if file.is_empty() || file.contains(['/', '\\']) || file.starts_with('.') {
                 return Err(Error::options(
                     "extra",
-                    format!("{name:?} is not a plain file name"),
+                    format!("{name:?} is not a file name (or {REPORT_DIR}/<name>)"),
                 ));
             }
-            write_atomic(&out_dir.join(name), bytes)?;
+            std::fs::create_dir_all(&dir).map_err(Error::io("create directory", &dir))?;
+            write_atomic(&dir.join(file), bytes)?;
         }
         let mut cfg = if config.is_object() {
             config.clone()
