@@ -294,3 +294,28 @@ def test_nan_activations_and_unknown_family(src, ids_file, tmp_path):
     (odd / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(errors.CheckpointError, match="Llama-like dense models, DeepSeek"):
         forge.quantize_model(odd, tmp_path / "o2", **_opts(ids_file))
+
+
+@pytest.mark.cuda
+def test_gptq_run_on_cuda_agrees_with_the_cpu(src, ids_file, tmp_path):
+    """The GPU run (bf16 forward, tensor-core Hessians, CUDA GPTQ) reaches the CPU run's quality:
+    every linear beats RTN, and its output error stays within 2x of the CPU run's."""
+    forge.quantize_model(src, tmp_path / "cpu", **_opts(ids_file))
+    forge.quantize_model(src, tmp_path / "gpu", **_opts(ids_file, device="cuda"))
+    forge.verify(tmp_path / "gpu")
+    rows = {
+        d: {
+            r["module"]: r
+            for r in json.loads((tmp_path / d / "forge" / "report.json").read_text())["linears"]
+        }
+        for d in ("cpu", "gpu")
+    }
+    assert rows["cpu"].keys() == rows["gpu"].keys()
+    for m, g in rows["gpu"].items():
+        c = rows["cpu"][m]
+        if g["method"] == "gptq" and c["method"] == "gptq":
+            assert g["err_gptq"] < g["err_rtn"], g
+            assert g["err_gptq"] <= 2.0 * c["err_gptq"] + 1e-6, (m, g["err_gptq"], c["err_gptq"])
+    a, b = dequantized_state_dict(tmp_path / "cpu", G), dequantized_state_dict(tmp_path / "gpu", G)
+    same = sum(int((a[k] == b[k]).sum()) for k in a) / sum(a[k].numel() for k in a)
+    assert same > 0.8, same

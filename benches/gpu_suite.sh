@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every GPU check in one go, for a GPU machine with torch/transformers/pytest but no Rust:
+# installs the wheel and the prebuilt Rust GPU test binary from WHEEL_DIR (default .whl),
+# then runs the Rust GPU tests, `pytest -m cuda` over the whole suite and the GPU benches,
+# keeping every log under OUT (default ./gpu-out).
+#   Build here:  maturin build --release -o .whl
+#                cargo test -p forge-cuda --release --no-run  (copy target/release/deps/gpu-* to .whl/gpu-tests)
+set -uo pipefail
+WHEEL_DIR=${WHEEL_DIR:-.whl}
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/forge-site "$WHEEL_DIR"/*.whl || exit 1
+export PYTHONPATH=/tmp/forge-site
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+echo "== Rust GPU tests"
+if [ -x "$WHEEL_DIR/gpu-tests" ]; then
+  "$WHEEL_DIR/gpu-tests" --ignored --test-threads 1 2>&1 | tail -25 | tee "$OUT/rust_gpu.log"
+fi
+echo "== pytest -m cuda"
+python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/pytest_cuda.log"
+echo "== GPTQ on one DeepSeek-V3-shaped MoE layer"
+python3 benches/bench_gptq_layer.py --json "$OUT/bench_gptq_layer.json" 2>&1 | tail -30 | tee "$OUT/bench_gptq_layer.log"
