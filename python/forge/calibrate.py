@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from . import _native
 from .errors import CheckpointError, InvalidValueError
-from .quant import build_quant_grid, gptq_quantize, quantize_rtn
+from .quant import build_quant_grid, quantize_rtn
 
 __all__ = ["quantize_gptq", "load_calibration", "hessian_error"]
 
@@ -242,83 +242,115 @@ class _Solved:
     qmeta: torch.Tensor
     deq: torch.Tensor
     info: dict
+    grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # zero, fp16 scale, 1/scale per element
 
 
-def _solve(w: torch.Tensor, h: torch.Tensor | None, opts: dict, tokens: int, fallback: str | None) -> _Solved:
-    """GPTQ of one weight ``(N, K)`` with ``H`` (or RTN when ``h`` is None), plus its report row."""
-    with PHASES("gptq"):
-        return _solve_inner(w, h, opts, tokens, fallback)
+def _grid_kw(opts: dict) -> dict:
+    return dict(
+        quant_max_shrink=opts["mse_shrink"], quant_n_grid=opts["mse_grid"], quant_norm=opts["mse_norm"]
+    )
 
 
-def _solve_inner(w, h, opts, tokens, fallback) -> _Solved:
-    g, sym, grid = opts["group_size"], opts["symmetric"], opts["grid"]
-    kw = dict(quant_max_shrink=opts["mse_shrink"], quant_n_grid=opts["mse_grid"], quant_norm=opts["mse_norm"])
-    w32 = w.float().contiguous()
-    t0 = time.perf_counter()
-    if h is None:
-        qmeta, _, _ = build_quant_grid(w32, g, 4, sym, grid, **kw)
-        codes = quantize_rtn(w32, qmeta, 4, g).to(w32.device)
-        deq = _dequant(codes, qmeta, g)
-        info = {"method": "rtn", "damp": None, "retries": 0, "dead": 0}
-    else:
-        r = gptq_quantize(w32, h, 4, g, sym, grid, opts["act_order"], opts["damp"], opts["block_size"], **kw)
-        codes, qmeta = r.codes, r.qmeta
-        # The weights the checkpoint will hold (fp16 scales), so later layers see exactly them.
-        deq = _dequant(codes, qmeta, g)
-        info = {"method": "gptq", "damp": r.factor.damp, "retries": r.factor.retries, "dead": r.factor.dead}
-    info.update(tokens=tokens, fallback=fallback, seconds=time.perf_counter() - t0)
-    return _Solved(codes, qmeta, deq, info)
-
-
-def _grid(qmeta: torch.Tensor, g: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-element zero points and fp16-rounded scales ``(N, K)`` of a grid, as AWQ stores them."""
+def _decode(qmeta: torch.Tensor, g: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-element zero points, fp16-rounded scales (as AWQ stores them) and inverse scales,
+    each ``(N, K)`` on ``device``, from a grid ``(N, K/G, 4)``."""
     from .quant import decode_qmeta
 
     scale, zero, sym = decode_qmeta(qmeta.cpu())
     z = torch.where(sym, torch.full_like(zero, 8), zero).float()
-    s16 = scale.half().float()
-    return (
-        z.to(device).repeat_interleave(g, 1)[:, :k],
-        s16.to(device).repeat_interleave(g, 1)[:, :k],
-    )
+
+    def spread(t):
+        return t.to(device).repeat_interleave(g, -1)[..., :k]
+
+    return spread(z), spread(scale.half().float()), spread(1.0 / scale)
 
 
-def _dequant(codes: torch.Tensor, qmeta: torch.Tensor, g: int) -> torch.Tensor:
-    """``(N, K)`` float32 weight of codes ``(K, N)`` on a grid, exactly as the AWQ checkpoint
-    dequantizes (``(q − z) · fp16(scale)``), on the codes' device."""
-    z, s16 = _grid(qmeta, g, codes.shape[0], codes.device)
+def _dequant(codes: torch.Tensor, grid) -> torch.Tensor:
+    """``(N, K)`` float32 weight of codes ``(K, N)``, exactly as the AWQ checkpoint dequantizes
+    (``(q − z) · fp16(scale)``), on the codes' device."""
+    z, s16, _ = grid
     return (codes.t().float() - z) * s16
 
 
-def _rtn_dequant(w: torch.Tensor, qmeta: torch.Tensor, g: int) -> torch.Tensor:
-    """Round to nearest on the same grid (for the report's RTN baseline), on ``w``'s device."""
-    from .quant import decode_qmeta
-
-    scale, zero, sym = decode_qmeta(qmeta.cpu())
-    k = w.shape[1]
-    z = torch.where(sym, torch.full_like(zero, 8), zero).float().to(w.device).repeat_interleave(g, 1)[:, :k]
-    inv = (1.0 / scale).to(w.device).repeat_interleave(g, 1)[:, :k]
+def _rtn_dequant(w: torch.Tensor, grid) -> torch.Tensor:
+    """Round to nearest on the same grid (the report's RTN baseline), on ``w``'s device."""
+    z, s16, inv = grid
     q = torch.clamp(torch.round(w.float() * inv + z), 0, 15)
-    zz, s16 = _grid(qmeta, g, k, w.device)
-    return (q - zz) * s16
+    return (q - z) * s16
 
 
-def _errors(w: torch.Tensor, s: _Solved, h: torch.Tensor | None, opts: dict) -> None:
-    """Adds GPTQ's and RTN's (same grid) relative output errors to the report row."""
-    with PHASES("report errors"):
-        _errors_inner(w, s, h, opts)
+def _info(method: str, tokens: int, fallback, t0: float, damp=None, retries=0, dead=0) -> dict:
+    return {
+        "method": method,
+        "damp": damp,
+        "retries": retries,
+        "dead": dead,
+        "tokens": tokens,
+        "fallback": fallback,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
-def _errors_inner(w, s, h, opts) -> None:
+def _solve(w: torch.Tensor, h: torch.Tensor | None, opts: dict, tokens: int, fallback: str | None) -> _Solved:
+    """GPTQ of one weight ``(N, K)`` with ``H`` (or RTN when ``h`` is None), plus its report row."""
+    if h is not None:
+        return _solve_batch(w[None], h[None], opts, [tokens], [fallback])[0]
+    with PHASES("gptq"):
+        g = opts["group_size"]
+        t0 = time.perf_counter()
+        w32 = w.float().contiguous()
+        qmeta, _, _ = build_quant_grid(w32, g, 4, opts["symmetric"], opts["grid"], **_grid_kw(opts))
+        codes = quantize_rtn(w32, qmeta, 4, g).to(w32.device)
+        grid = _decode(qmeta, g, w32.shape[1], w32.device)
+        return _Solved(codes, qmeta, _dequant(codes, grid), _info("rtn", tokens, fallback, t0), grid)
+
+
+def _solve_batch(
+    w: torch.Tensor, h: torch.Tensor, opts: dict, tokens: list[int], fallbacks: list
+) -> list[_Solved]:
+    """GPTQ of ``B`` weights of one shape ``(B, N, K)`` with their Hessians ``(B, K, K)`` in one
+    batched preparation and solve (the fused CUDA kernels on a GPU)."""
+    from .quant import gptq_solve_batched, prepare_hessian_batched
+
+    with PHASES("gptq"):
+        g = opts["group_size"]
+        t0 = time.perf_counter()
+        b, n, k = w.shape
+        w32 = w.float().contiguous()
+        qmeta, _, _ = build_quant_grid(
+            w32.reshape(b * n, k), g, 4, opts["symmetric"], opts["grid"], **_grid_kw(opts)
+        )
+        qmeta = qmeta.reshape(b, n, -1, 4)
+        u, perm, damp, retries, dead = prepare_hessian_batched(
+            h.float().contiguous(), opts["damp"], opts["act_order"]
+        )
+        codes, _ = gptq_solve_batched(
+            w32.transpose(1, 2).contiguous(), u, qmeta.to(u.device), 4, g, opts["block_size"], perm
+        )
+        del u
+        dt = (time.perf_counter() - t0) / b
+        out = []
+        for i in range(b):
+            grid = _decode(qmeta[i], g, k, w.device)
+            c = codes[i].to(w.device)
+            info = _info(
+                "gptq", tokens[i], fallbacks[i], time.perf_counter() - dt, damp[i], retries[i], dead[i]
+            )
+            out.append(_Solved(c, qmeta[i], _dequant(c, grid), info, grid))
+        return out
+
+
+def hessian_error_of(w: torch.Tensor, s: _Solved, h: torch.Tensor | None) -> None:
+    """Adds GPTQ's and RTN's (same grid) relative output errors to ``s``'s report row."""
     if h is None:
         s.info.update(err_gptq=None, err_rtn=None)
         return
-    wd = w.to(h.device).float()
-    rtn = _rtn_dequant(wd, s.qmeta, opts["group_size"])
-    s.info.update(
-        err_gptq=hessian_error(wd, s.deq.to(h.device), h),
-        err_rtn=hessian_error(wd, rtn, h),
-    )
+    with PHASES("report errors"):
+        wd = w.to(h.device).float()
+        s.info.update(
+            err_gptq=hessian_error(wd, s.deq.to(h.device), h),
+            err_rtn=hessian_error(wd, _rtn_dequant(wd, s.grid), h),
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -921,7 +953,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             hf = h.full() / max(h.tokens, 1)
             _tap("hessian", module=name, hessian=hf, tokens=h.tokens)
             s = _solve(w, hf, opts, h.tokens, None)
-            _errors(w, s, hf, opts)
+            hessian_error_of(w, s, hf)
             with PHASES("pack+write"):
                 ctx.sess.write_linear(name, s.codes.cpu().contiguous(), s.qmeta.cpu().contiguous())
             mod.weight.data = s.deq.to(w.device, w.dtype)
@@ -955,17 +987,50 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
     del layer, routed
 
 
+def _expert_chunk(device: torch.device, d: int, inter: int) -> int:
+    """Experts solved together: their Hessians and the batched preparation's working copies
+    (about 8 of the batch's Hessians at peak) must fit in half the free GPU memory."""
+    if device.type != "cuda":
+        return 4
+    free, _ = torch.cuda.mem_get_info(device)
+    per = 8 * 4 * (d * d + inter * inter) + 64 * d * inter
+    return int(max(1, min(64, 0.5 * free // per)))
+
+
+def _solve_group(items: list[dict], key: str, opts: dict) -> None:
+    """Solves ``item[key + "_w"]`` with ``item[key + "_h"]`` for every item, GPTQ ones batched."""
+    gptq = [it for it in items if it[key + "_h"] is not None]
+    if gptq:
+        res = _solve_batch(
+            torch.stack([it[key + "_w"] for it in gptq]),
+            torch.stack([it[key + "_h"] for it in gptq]),
+            opts,
+            [it["n"] for it in gptq],
+            [it["fallback"] for it in gptq],
+        )
+        for it, r in zip(gptq, res, strict=True):
+            it[key] = r
+    for it in items:
+        if it[key + "_h"] is None:
+            it[key] = _solve(it[key + "_w"], None, opts, it["n"], it["fallback"])
+        hessian_error_of(it[key + "_w"], it[key], it[key + "_h"])
+
+
 def _solve_experts(
     ctx: _Ctx, routed: _RoutedExperts, u: dict, stats: _Stats, fam: _Experts, hblock, bar
 ) -> torch.Tensor:
-    """GPTQ of every routed expert over exactly its routed tokens; returns the layer's routed
-    output (router weight times expert output, summed) for all calibration tokens."""
+    """GPTQ of every routed expert over exactly its routed tokens, in batches of experts;
+    returns the layer's routed output (router weight times expert output, summed) for all
+    calibration tokens. Packing and writing run on a worker thread, overlapping the GPU."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm.auto import tqdm
 
     opts, li = ctx.opts, u["layer"]
     xs = torch.cat([c[0] for c in routed.collected])
     idx = torch.cat([c[1] for c in routed.collected])
     wts = torch.cat([c[2] for c in routed.collected]).float()
+    routed.collected = []
     t, k = idx.shape
     d = xs.shape[1]
     out = torch.zeros(t, d, dtype=torch.float32, device=xs.device)
@@ -975,79 +1040,94 @@ def _solve_experts(
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)
-    pooled: _Hessian | None = None
+    thr = opts["few_tokens_threshold"]
+    thr = max(1, d // 8 if thr is None else thr)
     inter = routed.w[0][0].shape[0]
-    written = set()
+    planned = {lin["module"] for lin in u["linears"]}
+    pooled: dict[str, torch.Tensor] = {}
+    ref = xs[: max(4 * thr, 1024)]
+
+    def pooled_gu() -> torch.Tensor:
+        if "gu" not in pooled:
+            hp = _Hessian(d, ctx.device, hblock)
+            hp.add(xs)
+            pooled["gu"] = hp.full() / max(hp.tokens, 1)
+        return pooled["gu"]
+
+    def hess(x: torch.Tensor, dim: int) -> torch.Tensor:
+        hh = _Hessian(dim, ctx.device, hblock)
+        hh.add(x)
+        return hh.full() / max(hh.tokens, 1)
+
+    chunk = _expert_chunk(ctx.device, d, inter)
     pbar = tqdm(total=routed.n_experts, desc=f"layer {li} experts", leave=False, disable=not opts["progress"])
-    for e in range(routed.n_experts):
-        sel = order[starts[e] : starts[e + 1]]
-        tok = sel // k
-        x = xs[tok]
-        n_tok = x.shape[0]
-        thr = opts["few_tokens_threshold"]
-        thr = d // 8 if thr is None else thr
-        fallback = None
-        g, up, dn = routed.w[e]
-        if n_tok < max(thr, 1):
-            fallback = opts["few_tokens"]
-        if fallback == "pooled":
-            if pooled is None:
-                pooled = _Hessian(d, ctx.device, hblock)
-                pooled.add(xs)
-            h_gu = pooled.full() / max(pooled.tokens, 1)
-            ref = xs[: max(4 * max(thr, 1), 1024)]
-            a_ref = routed.act(F.linear(ref, g)) * F.linear(ref, up)
-        elif fallback == "rtn":
-            h_gu = None
-        else:
-            hg = _Hessian(d, ctx.device, hblock)
-            hg.add(x)
-            h_gu = hg.full() / max(hg.tokens, 1)
-        w_gu = torch.cat([g, up])
-        base = f"{routed.ckpt_prefix}{e}."
-        if h_gu is not None:
-            _tap("hessian", module=f"{base}{fam.gate}+{fam.up}", hessian=h_gu, tokens=n_tok)
-        s_gu = _solve(w_gu, h_gu, opts, n_tok, fallback)
-        _errors(w_gu, s_gu, h_gu, opts)
-        gq, uq = s_gu.deq.to(g.device, g.dtype).split(inter)
-        routed.w[e][0], routed.w[e][1] = gq, uq
-        a = routed.act(F.linear(x, gq)) * F.linear(x, uq)
-        if fallback == "pooled":
-            a_ref = routed.act(F.linear(ref, gq)) * F.linear(ref, uq)
-            hd = _Hessian(inter, ctx.device, hblock)
-            hd.add(a_ref)
-        elif fallback == "rtn":
-            hd = None
-        else:
-            hd = _Hessian(inter, ctx.device, hblock)
-            hd.add(a)
-        h_d = hd.full() / max(hd.tokens, 1) if hd is not None else None
-        if h_d is not None:
-            _tap("hessian", module=f"{base}{fam.down}", hessian=h_d, tokens=n_tok)
-        s_d = _solve(dn, h_d, opts, n_tok, fallback)
-        _errors(dn, s_d, h_d, opts)
-        dq = s_d.deq.to(dn.device, dn.dtype)
-        routed.w[e][2] = dq
-        # Write gate and up (rows split from the joint solve) and down.
-        planned = {lin["module"] for lin in u["linears"]}
-        for leaf, codes, qmeta in (
-            (fam.gate, s_gu.codes[:, :inter], s_gu.qmeta[:inter]),
-            (fam.up, s_gu.codes[:, inter:], s_gu.qmeta[inter:]),
-            (fam.down, s_d.codes, s_d.qmeta),
-        ):
-            m = base + leaf
-            if m in planned:
-                with PHASES("pack+write"):
-                    ctx.sess.write_linear(m, codes.cpu().contiguous(), qmeta.cpu().contiguous())
-                written.add(m)
-        for leaf, s in ((f"{fam.gate}+{fam.up}", s_gu), (fam.down, s_d)):
-            ctx.report.append({"layer": li, "module": base + leaf, "expert": e, **s.info})
-        if n_tok:
-            y = F.linear(a, dq).float()
-            wt = wts.reshape(-1)[sel]
-            stats.add_reap(e, wt * y.norm(dim=-1))
-            out.index_add_(0, tok, y * wt[:, None])
-        pbar.update(1)
+    writes = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for c0 in range(0, routed.n_experts, chunk):
+            items = []
+            for e in range(c0, min(routed.n_experts, c0 + chunk)):
+                sel = order[starts[e] : starts[e + 1]]
+                it = {"e": e, "sel": sel, "tok": sel // k, "n": int(sel.numel())}
+                it["x"] = xs[it["tok"]]
+                it["fallback"] = opts["few_tokens"] if it["n"] < thr else None
+                g, up, _ = routed.w[e]
+                it["gu_w"] = torch.cat([g, up])
+                if it["fallback"] == "pooled":
+                    it["gu_h"] = pooled_gu()
+                elif it["fallback"] == "rtn":
+                    it["gu_h"] = None
+                else:
+                    it["gu_h"] = hess(it["x"], d)
+                base = f"{routed.ckpt_prefix}{e}."
+                if it["gu_h"] is not None:
+                    _tap("hessian", module=f"{base}{fam.gate}+{fam.up}", hessian=it["gu_h"], tokens=it["n"])
+                items.append(it)
+            _solve_group(items, "gu", opts)
+            for it in items:
+                e = it["e"]
+                g = routed.w[e][0]
+                gq, uq = it["gu"].deq.to(g.device, g.dtype).split(inter)
+                routed.w[e][0], routed.w[e][1] = gq, uq
+                it.pop("gu_h")
+                it["a"] = routed.act(F.linear(it["x"], gq)) * F.linear(it["x"], uq)
+                it["d_w"] = routed.w[e][2]
+                if it["fallback"] == "pooled":
+                    it["d_h"] = hess(routed.act(F.linear(ref, gq)) * F.linear(ref, uq), inter)
+                elif it["fallback"] == "rtn":
+                    it["d_h"] = None
+                else:
+                    it["d_h"] = hess(it["a"], inter)
+                if it["d_h"] is not None:
+                    base = f"{routed.ckpt_prefix}{e}."
+                    _tap("hessian", module=f"{base}{fam.down}", hessian=it["d_h"], tokens=it["n"])
+            _solve_group(items, "d", opts)
+            for it in items:
+                e, s_gu, s_d = it["e"], it["gu"], it["d"]
+                dn = routed.w[e][2]
+                dq = s_d.deq.to(dn.device, dn.dtype)
+                routed.w[e][2] = dq
+                base = f"{routed.ckpt_prefix}{e}."
+                for leaf, codes, qmeta in (
+                    (fam.gate, s_gu.codes[:, :inter], s_gu.qmeta[:inter]),
+                    (fam.up, s_gu.codes[:, inter:], s_gu.qmeta[inter:]),
+                    (fam.down, s_d.codes, s_d.qmeta),
+                ):
+                    if base + leaf in planned:
+                        with PHASES("copy to host"):
+                            c_host, q_host = codes.cpu().contiguous(), qmeta.cpu().contiguous()
+                        writes.append(pool.submit(ctx.sess.write_linear, base + leaf, c_host, q_host))
+                for leaf, s in ((f"{fam.gate}+{fam.up}", s_gu), (fam.down, s_d)):
+                    ctx.report.append({"layer": li, "module": base + leaf, "expert": e, **s.info})
+                if it["n"]:
+                    y = F.linear(it["a"], dq).float()
+                    wt = wts.reshape(-1)[it["sel"]]
+                    stats.add_reap(e, wt * y.norm(dim=-1))
+                    out.index_add_(0, it["tok"], y * wt[:, None])
+            pbar.update(len(items))
+            del items
+        with PHASES("pack+write (waiting)"):
+            for f in writes:
+                f.result()
     pbar.close()
     return out.to(xs.dtype)
 

@@ -259,7 +259,7 @@ fn dtype_name(d: Dtype) -> String {
 /// A quantization run driven from Python (the calibrated GPTQ run): Rust reads, plans,
 /// writes and resumes; Python runs the forward pass and the solver. See
 /// `forge_run::session`.
-#[pyclass(module = "forge._native", unsendable)]
+#[pyclass(module = "forge._native")]
 pub struct Session {
     inner: Option<forge_run::Session>,
 }
