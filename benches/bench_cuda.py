@@ -201,9 +201,18 @@ def gptq_reference_bmm(w, hinv, scale, zero, block=128):
     return q_out
 
 
+def fitting_batch(n: int, k: int, want: int | None) -> int:
+    """Experts per batched call that fit: the batch's inputs, Hessians and the preparation's
+    working copies (about 10 Hessians' worth each) in 70 % of the free memory."""
+    free, _ = torch.cuda.mem_get_info()
+    per = 4 * (2 * k * k + 10 * k * k + 3 * n * k)
+    fit = max(1, int(0.7 * free // per))
+    return min(want, fit) if want else min(64, fit)
+
+
 def bench_gptq(rows, batch):
     for n, k in [(2048, 7168), (7168, 2048)]:  # (N, K): gate/up and down of a routed expert
-        for e in (1, batch):
+        for e in (1, fitting_batch(n, k, batch)):
             w = torch.randn(e, n, k, device="cuda") * 0.02
             x = torch.randn(e, 2 * k, k, device="cuda") @ (
                 torch.eye(k, device="cuda") + 0.05 * torch.randn(k, k, device="cuda")
@@ -268,7 +277,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default="gemm,pack,mse,gptq")
-    ap.add_argument("--batch", type=int, default=64, help="experts per batched GPTQ call")
+    ap.add_argument(
+        "--batch", type=int, default=None, help="experts per batched GPTQ call (default: 64, or what fits)"
+    )
     args = ap.parse_args()
     st = forge.cuda_status()
     print(st)
@@ -278,7 +289,7 @@ def main() -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, d2d copy {bw / 1e12:.2f} TB/s (read + write)")
-    rows = []
+    rows = Rows(args.json, dict(device=torch.cuda.get_device_name(), copy_bw=bw))
     only = set(args.only.split(","))
     if "gemm" in only:
         bench_gemm(rows, bw)
@@ -288,9 +299,20 @@ def main() -> None:
         bench_mse(rows)
     if "gptq" in only:
         bench_gptq(rows, args.batch)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=bw, rows=rows), f, indent=2)
+
+
+class Rows(list):
+    """Result rows, written to the JSON file as each arrives (a crash keeps what was measured)."""
+
+    def __init__(self, path, head):
+        super().__init__()
+        self.path, self.head = path, head
+
+    def append(self, row):
+        super().append(row)
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(dict(self.head, rows=list(self)), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Hessians, GPTQ, pack+write, ...), peak GPU memory, and a projection to the whole
 The routing is skewed on purpose (``e_score_correction_bias`` drawn from a normal with
 ``--skew`` standard deviation), so experts see uneven token counts as in a real model.
 
-    python benches/bench_gptq_layer.py [--tokens 4096] [--json out.json] [--keep DIR]
+    python benches/bench_gptq_layer.py [--tokens 4096,32768] [--json out.json] [--keep DIR]
 
 Rows are written to the JSON file as soon as they are measured.
 """
@@ -166,7 +166,11 @@ def build_checkpoint(folder: Path, experts: int, seed: int, skew: float) -> None
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096, help="calibration tokens (seqlen 512 windows)")
+    ap.add_argument(
+        "--tokens",
+        default="4096,32768",
+        help="calibration token counts, comma-separated (seqlen 512 windows)",
+    )
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--skew", type=float, default=0.05, help="std of e_score_correction_bias (routing skew)")
     ap.add_argument("--few-tokens-threshold", type=int, default=16)
@@ -187,42 +191,66 @@ def main() -> int:
     write_row(args.json, {"row": "build checkpoint", "seconds": time.perf_counter() - t0,
                           "bytes": sum(f.stat().st_size for f in src.iterdir())})  # fmt: skip
     seqlen = 512
-    nsamples = max(1, args.tokens // seqlen)
-    ids = torch.randint(0, 4096, (nsamples * seqlen * 2,), generator=torch.Generator().manual_seed(1))
-    calib = root / "calib.pt"
-    torch.save(ids, calib)
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    try:
-        rep = forge.quantize_model(
-            src, out, method="gptq", calib=calib, nsamples=nsamples, seqlen=seqlen, group_size=128,
-            device="cuda", overwrite=True, progress=False, few_tokens_threshold=args.few_tokens_threshold,
-            chunk_tokens=4096,
-        )  # fmt: skip
-    except Exception as exc:  # keep what was measured
-        write_row(args.json, {"row": "gptq layer", "error": repr(exc)})
-        raise
-    wall = time.perf_counter() - t0
-    report = json.loads((out / "forge" / "report.json").read_text())
-    phases = report["phase_seconds"]
-    layer_s = report["layer_seconds"].get("0")
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    write_row(args.json, {"row": "gptq layer", "wall_s": wall, "layer_s": layer_s, "phases": phases,
-                          "peak_gpu_gib": peak, "tokens": nsamples * seqlen, "quantized": rep.quantized})  # fmt: skip
-    ratio = 512 * 4096 / (nsamples * seqlen)
-    per_layer = sum(v * (ratio if k in TOKEN_PHASES else 1.0) for k, v in phases.items() if k != "total")
+    runs = []
+    for tokens in [int(t) for t in str(args.tokens).split(",")]:
+        nsamples = max(1, tokens // seqlen)
+        ids = torch.randint(0, 4096, (nsamples * seqlen * 2,), generator=torch.Generator().manual_seed(1))
+        calib = root / "calib.pt"
+        torch.save(ids, calib)
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            rep = forge.quantize_model(
+                src, out, method="gptq", calib=calib, nsamples=nsamples, seqlen=seqlen, group_size=128,
+                device="cuda", overwrite=True, progress=False, few_tokens_threshold=args.few_tokens_threshold,
+                chunk_tokens=8192,
+            )  # fmt: skip
+        except Exception as exc:  # keep what was measured
+            write_row(args.json, {"row": "gptq layer", "tokens": nsamples * seqlen, "error": repr(exc)})
+            raise
+        wall = time.perf_counter() - t0
+        report = json.loads((out / "forge" / "report.json").read_text())
+        phases = report["phase_seconds"]
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        row = {"row": "gptq layer", "tokens": nsamples * seqlen, "wall_s": wall,
+               "layer_s": report["layer_seconds"].get("0"), "phases": phases, "peak_gpu_gib": peak,
+               "quantized": rep.quantized}  # fmt: skip
+        write_row(args.json, row)
+        runs.append(row)
+        print(f"\n{nsamples * seqlen} tokens: {'phase':32s} {'seconds':>9s}")
+        for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
+            print(f"{'':14s}{k:32s} {v:9.2f}")
+        print(f"peak GPU memory {peak:.1f} GiB")
+    # Projection: each phase as intercept + slope x tokens, from the last two runs (else the
+    # token-proportional phases scale linearly from one run).
+    full = 512 * 4096
+    proj_phases = {}
+    if len(runs) >= 2:
+        (r1, r2) = runs[-2:]
+        for k in r2["phases"]:
+            if k == "total":
+                continue
+            a1, a2 = r1["phases"].get(k, 0.0), r2["phases"][k]
+            slope = max(0.0, (a2 - a1) / (r2["tokens"] - r1["tokens"]))
+            proj_phases[k] = max(0.0, a2 - slope * r2["tokens"]) + slope * full
+        how = f"per phase a + b*tokens fitted on {r1['tokens']} and {r2['tokens']} tokens"
+    else:
+        r2 = runs[-1]
+        ratio = full / r2["tokens"]
+        for k, v in r2["phases"].items():
+            if k != "total":
+                proj_phases[k] = v * (ratio if k in TOKEN_PHASES else 1.0)
+        how = "token-proportional phases (forward, Hessians, expert gather) scaled by the token ratio"
+    per_layer = sum(proj_phases.values())
     proj = {
         "row": "projection: DeepSeek-V3 (58 MoE + 3 dense layers), 512 x 4096 tokens",
         "per_moe_layer_s": per_layer,
+        "phases_s": proj_phases,
         "whole_model_h": per_layer * 61 / 3600,
-        "token_ratio": ratio,
-        "note": "token-proportional phases (forward, Hessians, expert gather) scaled by the token ratio",
+        "how": how,
     }
     write_row(args.json, proj)
-    print(f"\n{'phase':32s} {'seconds':>9s}")
-    for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
-        print(f"{k:32s} {v:9.2f}")
-    print(f"peak GPU memory {peak:.1f} GiB; projection {proj['whole_model_h']:.2f} h for 61 layers")
+    print(f"projection: {per_layer:.0f} s per MoE layer, {proj['whole_model_h']:.2f} h for 61 layers ({how})")
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return 0
