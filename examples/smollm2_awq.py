@@ -11,7 +11,8 @@
    ``mse`` (``method="rtn", grid="mse"``: on the MSE-refined grid, ~3 minutes on 2 cores),
    ``gptq`` (``method="gptq"``: calibrated GPTQ, layer by layer, on ``--nsamples`` windows
    of ``--seqlen`` tokens drawn from the calibration split, written to
-   ``<out>/calib-pydocs-train.txt``; 32 x 512 by default, a few minutes on 2 cores).
+   ``<out>/calib-pydocs-train.txt``; 32 x 512 by default: measured 1311 s on 2 cores shared
+   with a compiler, load ~6, so expect several minutes even on idle cores; seconds on a GPU).
    Default: ``rtn,gptq``. Each GPTQ folder also gets ``forge_report.md`` (per-linear
    relative output errors of GPTQ vs RTN).
 4. Loads every 4-bit checkpoint with ``forge.load_quantized`` (W4A16 modules) and computes
