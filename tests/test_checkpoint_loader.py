@@ -298,3 +298,23 @@ def test_model_rejects_unexpected_tensor(tmp_path):
     safetensors_torch.save_file(written, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"unexpected \['model\.layers\.0\.mlp\.bogus\.weight'\]"):
         load_dequantized_model(tmp_path, dtype=torch.float32)
+
+
+def test_moe_folder_loads_into_fused_experts(tmp_path):
+    """Per-expert AWQ tensors land in transformers 5's stacked ``experts.gate_up_proj`` /
+    ``down_proj``, in expert order, equal to the tests' own unpacking of the folder."""
+    from tiny_models import dequantized_state_dict, make_model
+
+    src = make_model("deepseek", tmp_path / "src")
+    out = tmp_path / "awq"
+    forge.quantize_model(src, out, group_size=32, progress=False)
+    model = forge.load_dequantized_model(out, dtype=torch.float32)
+    sd = dequantized_state_dict(out, 32)
+    ex = model.model.layers[1].mlp.experts
+    if not hasattr(ex, "gate_up_proj"):
+        pytest.skip("this transformers keeps one module per expert")
+    for e in range(8):
+        p = f"model.layers.1.mlp.experts.{e}."
+        gu = torch.cat([sd[p + "gate_proj.weight"], sd[p + "up_proj.weight"]]).float()
+        assert torch.equal(ex.gate_up_proj[e], gu)
+        assert torch.equal(ex.down_proj[e], sd[p + "down_proj.weight"].float())

@@ -553,7 +553,7 @@ class _RoutedExperts(torch.nn.Module):
             _, y = self.expert_out(e, x[tok])
             if self.stats is not None:
                 self.stats.add_reap(e, wt * y.float().norm(dim=-1))
-            out.index_add_(0, tok, y.float() * wt[:, None])
+            out.index_put_((tok,), y.float() * wt[:, None], accumulate=True)
         return out.to(x.dtype)
 
 
@@ -1122,7 +1122,7 @@ def _solve_experts(
                     y = F.linear(it["a"], dq).float()
                     wt = wts.reshape(-1)[it["sel"]]
                     stats.add_reap(e, wt * y.norm(dim=-1))
-                    out.index_add_(0, it["tok"], y * wt[:, None])
+                    out.index_put_((it["tok"],), y * wt[:, None], accumulate=True)
             pbar.update(len(items))
             del items
         with PHASES("pack+write (waiting)"):

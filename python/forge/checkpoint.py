@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,44 @@ def load_dequantized_state_dict(
     return out
 
 
+_EXPERT_KEY = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
+
+
+def _fuse_experts(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert weights (the checkpoint layout) stacked into transformers 5's fused
+    ``experts.gate_up_proj`` ``(E, 2I, D)`` / ``experts.down_proj`` ``(E, D, I)`` when the model
+    holds those; unchanged otherwise (transformers 4 keeps one module per expert)."""
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for k, v in state.items():
+        m = _EXPERT_KEY.match(k)
+        if m and f"{m.group(1)}.experts.gate_up_proj" in own:
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
+    if not groups:
+        return state
+    out = {
+        k: v
+        for k, v in state.items()
+        if not (_EXPERT_KEY.match(k) and _EXPERT_KEY.match(k).group(1) in groups)
+    }
+    for prefix, experts in groups.items():
+        ids = sorted(experts)
+        if ids != list(range(len(ids))):
+            raise CheckpointError(f"{prefix}.experts: expert ids {ids[:8]}... are not 0..{len(ids) - 1}")
+
+        def pick(e, names, prefix=prefix, experts=experts):
+            for n in names:
+                if n in experts[e]:
+                    return experts[e][n]
+            raise CheckpointError(f"missing tensor {prefix}.experts.{e}.{names[0]}.weight")
+
+        out[f"{prefix}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([pick(e, _GATE), pick(e, _UP)]) for e in ids]
+        )
+        out[f"{prefix}.experts.down_proj"] = torch.stack([pick(e, _DOWN) for e in ids])
+    return out
+
+
 def load_dequantized_model(awq_dir: str | os.PathLike, dtype: torch.dtype = torch.float16):
     """The transformers ``AutoModelForCausalLM`` of an AWQ folder, with dequantised weights.
 
@@ -189,6 +228,14 @@ def load_dequantized_model(awq_dir: str | os.PathLike, dtype: torch.dtype = torc
             param.data = param.data.to(dtype)
 
     own = model.state_dict()
+    state = _fuse_experts(state, own)
+    # MTP layers (index >= num_hidden_layers) are not part of the causal LM (vLLM skips them too).
+    n_layers = getattr(
+        config.get_text_config() if hasattr(config, "get_text_config") else config, "num_hidden_layers", None
+    )
+    if n_layers is not None:
+        mtp = re.compile(r"^model\.layers\.(\d+)\.")
+        state = {k: v for k, v in state.items() if not ((m := mtp.match(k)) and int(m.group(1)) >= n_layers)}
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     tied = bool(
         getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False)
