@@ -365,7 +365,7 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
             if !q.is_null() && !skipped(module) {
                 let mtp = arch.has_mtp && n_layers.is_some_and(|n| layer >= n);
                 problems.push(format!(
-                    "{module}{}: unquantized but not in quantization_config.{} (vLLM would expect {module}.{primary})",
+                    "{module}{}: unquantized but not in {} of quantization_config (vLLM would expect {module}.{primary})",
                     if mtp { " (MTP layer)" } else { "" },
                     format.skip_list_name()
                 ));
