@@ -25,7 +25,7 @@ class QuantizeReport:
     quantizer: str
     """``rtn-range``, ``rtn-mse``, ``gptq-range`` or ``gptq-mse``."""
     quantized: int
-    """Number of linears written as qweight/qzeros/scales."""
+    """Number of linears written quantized (in the run's ``format``)."""
     modules_to_not_convert: list[str]
     """Modules left unquantized, as written to config.json."""
     units: int
@@ -51,6 +51,8 @@ class VerifyReport:
     unquantized: int
     group_size: int
     shards: int
+    format: str = "awq"
+    """``awq``, ``gptq`` or ``compressed-tensors`` (from config.json)."""
 
 
 def default_options() -> dict[str, Any]:
@@ -61,7 +63,8 @@ def default_options() -> dict[str, Any]:
 def quantize_model(
     model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], **options: Any
 ) -> QuantizeReport:
-    """Quantizes a Hugging Face safetensors folder to a 4-bit AWQ ("gemm") folder that vLLM loads.
+    """Quantizes a Hugging Face safetensors folder to a 4-bit folder that vLLM loads (AWQ "gemm"
+    by default; ``format="gptq"`` or ``"compressed-tensors"`` for the other layouts).
 
     The model is streamed one decoder layer at a time (memory bounded by one layer); every linear
     inside the decoder layers is quantized except routers, norms, embeddings, ``lm_head``, MTP
@@ -72,6 +75,8 @@ def quantize_model(
 
     * ``method``: ``"rtn"`` (data-free round to nearest, in Rust) or ``"gptq"`` (calibrated:
       layer-by-layer forward over ``calib`` text, per-expert Hessians, error propagation).
+    * ``format``: ``"awq"`` (default), ``"gptq"`` (GPTQ v1; needs ``symmetric=True``) or
+      ``"compressed-tensors"`` (``pack-quantized``, llm-compressor's W4A16 layout).
     * ``group_size`` (32/64/128), ``symmetric``, ``grid`` (``"range"`` or ``"mse"``, with
       ``mse_grid``, ``mse_shrink``, ``mse_norm``), ``include`` / ``exclude`` (module patterns:
       dotted segments such as ``"kv_b_proj"`` or globs), ``default_excludes``,
@@ -128,7 +133,8 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def verify(path: str | os.PathLike[str], *, raise_on_error: bool = True) -> VerifyReport:
-    """Checks that ``path`` is a complete, consistent AWQ checkpoint for vLLM.
+    """Checks that ``path`` is a complete, consistent 4-bit checkpoint for vLLM (AWQ, GPTQ v1 or
+    compressed-tensors ``pack-quantized``, as its config.json says).
 
     Every expected tensor present with the right shape and dtype, the index matching the shards,
     config.json matching the tensors, no stray tensors. With ``raise_on_error`` a failing check

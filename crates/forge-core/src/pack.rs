@@ -1,4 +1,5 @@
-//! int4 packing: vLLM AWQ "gemm" layout and GPTQ v1 layout (facts: shared/notes/formats.md).
+//! int4 packing: vLLM AWQ "gemm" layout, GPTQ v1 layout and compressed-tensors
+//! `pack-quantized` (facts: shared/notes/formats.md).
 //!
 //! `K` = in_features, `N` = out_features, `G` = group size. Codes are `K × N` bytes (the
 //! `(C, R)` layout of the GPTQ solver); qmeta is the grid of `W [N, K]`, `N × K/G`.
@@ -273,21 +274,37 @@ pub fn pack_gptq(
     spec: &GridSpec,
 ) -> Result<GptqTensors> {
     check_pack_shape(k, n, spec)?;
-    if !k.is_multiple_of(8) {
-        return Err(Error::shape("in_features", "a multiple of 8", k));
-    }
     check_len("codes", codes.len(), k, n)?;
     check_codes(codes, spec.maxq())?;
     let (zeros, scales) = scales_and_zeros(qmeta, k, n, spec)?;
-    if let Some(i) = zeros.iter().position(|&z| z == 0) {
+    gptq_from_parts(codes, &zeros, scales, k, n, spec.group_size)
+}
+
+/// The GPTQ v1 layout from codes `K × N`, zero points `K/G × N` and fp16 scales `K/G × N`
+/// (what [`scales_and_zeros`] and [`awq_to_parts`] give).
+pub fn gptq_from_parts(
+    codes: &[u8],
+    zeros: &[u8],
+    scales: Vec<f16>,
+    k: usize,
+    n: usize,
+    group_size: usize,
+) -> Result<GptqTensors> {
+    check_unpack_shape(k, n, group_size, true)?;
+    let ng = k / group_size;
+    check_len("codes", codes.len(), k, n)?;
+    check_len("zeros", zeros.len(), ng, n)?;
+    check_len("scales", scales.len(), ng, n)?;
+    if let Some(i) = zeros.iter().position(|&z| z == 0 || z > 15) {
         return Err(Error::param(
             "qmeta",
             format!(
-                "GPTQ v1 stores zero - 1 and cannot represent zero point 0 (group {}, output {}); use the AWQ layout or a symmetric grid",
+                "GPTQ v1 stores zero - 1 in 4 bits and cannot represent zero point {} (group {}, output {}); use the AWQ layout or a symmetric grid",
+                zeros[i],
                 i / n,
                 i % n
             ),
-            0,
+            zeros[i],
         ));
     }
     let mut qweight = vec![0i32; k / 8 * n];
@@ -300,7 +317,6 @@ pub fn pack_gptq(
             *o = w as i32;
         }
     });
-    let ng = k / spec.group_size;
     let mut qzeros = vec![0i32; ng * n / 8];
     for g in 0..ng {
         for c in 0..n / 8 {
@@ -311,13 +327,174 @@ pub fn pack_gptq(
             qzeros[g * (n / 8) + c] = w as i32;
         }
     }
-    let g_idx = (0..k).map(|kk| (kk / spec.group_size) as i32).collect();
+    let g_idx = (0..k).map(|kk| (kk / group_size) as i32).collect();
     Ok(GptqTensors {
         qweight,
         qzeros,
         scales,
         g_idx,
     })
+}
+
+/// A linear layer in the compressed-tensors `pack-quantized` layout (4-bit int, group strategy).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompressedTensors {
+    /// `int32 [N, K/8]`, packed along the input dimension in plain order, values
+    /// `int4 + 8` (= the unsigned code).
+    pub weight_packed: Vec<i32>,
+    /// `fp16 [N, K/G]`.
+    pub weight_scale: Vec<f16>,
+    /// `int64 [2]` = `[N, K]`.
+    pub weight_shape: [i64; 2],
+    /// `int32 [N/8, K/G]`, packed along the output dimension in plain order, values
+    /// `zero + 8` in the signed convention (= the unsigned zero point); `None` when symmetric.
+    pub weight_zero_point: Option<Vec<i32>>,
+}
+
+/// Packs codes (`K × N`) with their grid into the compressed-tensors `pack-quantized` layout.
+pub fn pack_compressed(
+    codes: &[u8],
+    qmeta: &[QMeta],
+    k: usize,
+    n: usize,
+    spec: &GridSpec,
+) -> Result<CompressedTensors> {
+    check_pack_shape(k, n, spec)?;
+    check_len("codes", codes.len(), k, n)?;
+    check_codes(codes, spec.maxq())?;
+    let (zeros, scales) = scales_and_zeros(qmeta, k, n, spec)?;
+    compressed_from_parts(
+        codes,
+        &zeros,
+        &scales,
+        k,
+        n,
+        spec.group_size,
+        spec.symmetric,
+    )
+}
+
+/// The compressed-tensors layout from codes `K × N`, zero points `K/G × N` and fp16 scales
+/// `K/G × N`. Symmetric: every zero point must be 8 (no zero-point tensor is written).
+pub fn compressed_from_parts(
+    codes: &[u8],
+    zeros: &[u8],
+    scales: &[f16],
+    k: usize,
+    n: usize,
+    group_size: usize,
+    symmetric: bool,
+) -> Result<CompressedTensors> {
+    check_unpack_shape(k, n, group_size, true)?;
+    let ng = k / group_size;
+    check_len("codes", codes.len(), k, n)?;
+    check_len("zeros", zeros.len(), ng, n)?;
+    check_len("scales", scales.len(), ng, n)?;
+    if let Some(i) = zeros.iter().position(|&z| z > 15 || (symmetric && z != 8)) {
+        return Err(Error::param(
+            "qmeta",
+            format!(
+                "zero point of output {}, group {} is {}; a symmetric compressed-tensors checkpoint needs 8 (and 4 bits at most 15)",
+                i % n,
+                i / n,
+                zeros[i]
+            ),
+            zeros[i],
+        ));
+    }
+    let kp = k / 8;
+    let mut weight_packed = vec![0i32; n * kp];
+    weight_packed
+        .par_chunks_mut(kp)
+        .enumerate()
+        .for_each(|(row, out)| {
+            for (c, o) in out.iter_mut().enumerate() {
+                let mut w = 0u32;
+                for i in 0..8 {
+                    w |= (codes[(8 * c + i) * n + row] as u32 & 0xF) << (4 * i);
+                }
+                *o = w as i32;
+            }
+        });
+    let mut weight_scale = vec![f16::ZERO; n * ng];
+    for g in 0..ng {
+        for row in 0..n {
+            weight_scale[row * ng + g] = scales[g * n + row];
+        }
+    }
+    let weight_zero_point = (!symmetric).then(|| {
+        let mut zp = vec![0i32; n / 8 * ng];
+        for r in 0..n / 8 {
+            for g in 0..ng {
+                let mut w = 0u32;
+                for i in 0..8 {
+                    w |= (zeros[g * n + 8 * r + i] as u32 & 0xF) << (4 * i);
+                }
+                zp[r * ng + g] = w as i32;
+            }
+        }
+        zp
+    });
+    Ok(CompressedTensors {
+        weight_packed,
+        weight_scale,
+        weight_shape: [n as i64, k as i64],
+        weight_zero_point,
+    })
+}
+
+/// Unpacks a compressed-tensors layer: `(codes K × N, zeros K/G × N, scales K/G × N)`.
+pub fn unpack_compressed(
+    t: &CompressedTensors,
+    k: usize,
+    n: usize,
+    group_size: usize,
+) -> Result<(Vec<u8>, Vec<u8>, Vec<f16>)> {
+    check_unpack_shape(k, n, group_size, true)?;
+    let ng = k / group_size;
+    check_len("weight_packed", t.weight_packed.len(), n, k / 8)?;
+    check_len("weight_scale", t.weight_scale.len(), n, ng)?;
+    let mut codes = vec![0u8; k * n];
+    for row in 0..n {
+        for c in 0..k / 8 {
+            let w = t.weight_packed[row * (k / 8) + c] as u32;
+            for i in 0..8 {
+                codes[(8 * c + i) * n + row] = ((w >> (4 * i)) & 0xF) as u8;
+            }
+        }
+    }
+    let mut zeros = vec![8u8; ng * n];
+    if let Some(zp) = &t.weight_zero_point {
+        check_len("weight_zero_point", zp.len(), n / 8, ng)?;
+        for r in 0..n / 8 {
+            for g in 0..ng {
+                let w = zp[r * ng + g] as u32;
+                for i in 0..8 {
+                    zeros[g * n + 8 * r + i] = ((w >> (4 * i)) & 0xF) as u8;
+                }
+            }
+        }
+    }
+    let mut scales = vec![f16::ZERO; ng * n];
+    for row in 0..n {
+        for g in 0..ng {
+            scales[g * n + row] = t.weight_scale[row * ng + g];
+        }
+    }
+    Ok((codes, zeros, scales))
+}
+
+/// Codes `K × N`, zero points `K/G × N` and scales `K/G × N` of an AWQ layer (exact: the
+/// input of the other layouts' `*_from_parts`).
+pub fn awq_to_parts(
+    t: &AwqTensors,
+    k: usize,
+    n: usize,
+    group_size: usize,
+) -> Result<(Vec<u8>, Vec<u8>, Vec<f16>)> {
+    let (codes, zeros) = unpack_awq(&t.qweight, &t.qzeros, k, n, group_size)?;
+    check_len("scales", t.scales.len(), k / group_size, n)?;
+    Ok((codes, zeros, t.scales.clone()))
 }
 
 /// Unpacks a GPTQ v1 layer: returns `(codes K × N, zeros K/G × N)` with the `+1` undone.
@@ -367,5 +544,66 @@ mod tests {
         for (j, &i) in AWQ_REVERSE.iter().enumerate() {
             assert_eq!(AWQ_ORDER[i], j);
         }
+    }
+
+    fn sample(k: usize, n: usize, g: usize, sym: bool) -> (Vec<u8>, Vec<u8>, Vec<f16>) {
+        let codes: Vec<u8> = (0..k * n).map(|i| ((i * 7 + i / 13) % 16) as u8).collect();
+        let zeros: Vec<u8> = (0..k / g * n)
+            .map(|i| if sym { 8 } else { 1 + (i % 15) as u8 })
+            .collect();
+        let scales: Vec<f16> = (0..k / g * n)
+            .map(|i| f16::from_f32(0.01 + i as f32 * 1e-3))
+            .collect();
+        (codes, zeros, scales)
+    }
+
+    #[test]
+    fn compressed_round_trip_and_layout() {
+        let (k, n, g) = (64, 16, 32);
+        for sym in [true, false] {
+            let (codes, zeros, scales) = sample(k, n, g, sym);
+            let t = compressed_from_parts(&codes, &zeros, &scales, k, n, g, sym).unwrap();
+            assert_eq!(t.weight_packed.len(), n * k / 8);
+            assert_eq!(t.weight_scale.len(), n * k / g);
+            assert_eq!(t.weight_shape, [n as i64, k as i64]);
+            assert_eq!(t.weight_zero_point.is_none(), sym);
+            // plain order along K: nibble i of word [row, c] is code [8c + i, row]
+            let w = t.weight_packed[3 * (k / 8) + 2] as u32;
+            for i in 0..8 {
+                assert_eq!(((w >> (4 * i)) & 0xF) as u8, codes[(16 + i) * n + 3]);
+            }
+            assert_eq!(t.weight_scale[5 * (k / g) + 1], scales[n + 5]);
+            let back = unpack_compressed(&t, k, n, g).unwrap();
+            assert_eq!(back, (codes.clone(), zeros.clone(), scales.clone()));
+        }
+        // symmetric needs zero point 8 everywhere
+        let (codes, zeros, scales) = sample(k, n, g, false);
+        assert!(compressed_from_parts(&codes, &zeros, &scales, k, n, g, true).is_err());
+    }
+
+    #[test]
+    fn gptq_from_awq_parts_matches_pack_gptq_layout() {
+        let (k, n, g) = (64, 16, 32);
+        let (codes, zeros, scales) = sample(k, n, g, false);
+        let awq = AwqTensors {
+            qweight: awq_pack_rows(&codes, k, n),
+            qzeros: awq_pack_rows(&zeros, k / g, n),
+            scales: scales.clone(),
+        };
+        let (c2, z2, s2) = awq_to_parts(&awq, k, n, g).unwrap();
+        assert_eq!((&c2, &z2, &s2), (&codes, &zeros, &scales));
+        let t = gptq_from_parts(&c2, &z2, s2, k, n, g).unwrap();
+        assert_eq!(
+            unpack_gptq(&t.qweight, &t.qzeros, k, n, g).unwrap(),
+            (codes, zeros)
+        );
+        assert_eq!(t.g_idx, (0..k).map(|i| (i / g) as i32).collect::<Vec<_>>());
+        let mut bad = z2.clone();
+        bad[3] = 0;
+        let (c3, _, s3) = sample(k, n, g, false);
+        let e = gptq_from_parts(&c3, &bad, s3, k, n, g)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("zero point 0"), "{e}");
     }
 }

@@ -22,7 +22,7 @@ use crate::{Error, Result};
 #[command(
     name = "forge-rs",
     version,
-    about = "Quantize Hugging Face checkpoints to 4-bit AWQ that stock vLLM loads, streaming layer by layer."
+    about = "Quantize Hugging Face checkpoints to 4-bit (AWQ, GPTQ or compressed-tensors) that stock vLLM loads, streaming layer by layer."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -38,6 +38,16 @@ enum Grid {
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
+enum FormatArg {
+    /// AutoAWQ "gemm" (default)
+    Awq,
+    /// GPTQ v1 (symmetric only: needs --sym)
+    Gptq,
+    /// compressed-tensors pack-quantized (llm-compressor's W4A16)
+    CompressedTensors,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
 enum MethodArg {
     /// round to nearest (data-free)
     Rtn,
@@ -46,8 +56,9 @@ enum MethodArg {
 }
 
 #[derive(Subcommand, Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
 enum Command {
-    /// Quantize MODEL_DIR into OUT_DIR (AWQ "gemm", 4 bits). Absent flags take
+    /// Quantize MODEL_DIR into OUT_DIR (4 bits; AWQ "gemm" unless --format). Absent flags take
     /// the defaults of `forge.default_options()` (defined once, in the run's options).
     Quantize {
         /// Source checkpoint folder (safetensors, bf16/fp16/fp32 or DeepSeek FP8).
@@ -57,6 +68,9 @@ enum Command {
         /// `rtn` (data-free, default) or `gptq` (calibrated; needs the Python package).
         #[arg(long, value_enum)]
         method: Option<MethodArg>,
+        /// Output format: awq (default), gptq (needs --sym) or compressed-tensors.
+        #[arg(long, value_enum)]
+        format: Option<FormatArg>,
         /// Group size along the input dimension (32, 64, 128; default 128).
         #[arg(long)]
         group_size: Option<usize>,
@@ -162,7 +176,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Check that an output folder is a complete, consistent AWQ checkpoint.
+    /// Check that an output folder is a complete, consistent 4-bit checkpoint (AWQ, GPTQ, compressed-tensors).
     Verify {
         /// Output folder of `forge-rs quantize`.
         dir: PathBuf,
@@ -348,6 +362,7 @@ fn run_cli(cli: Cli) -> Result<Outcome> {
             model_dir,
             out_dir,
             method,
+            format,
             group_size,
             sym,
             asym: _,
@@ -394,6 +409,14 @@ fn run_cli(cli: Cli) -> Result<Outcome> {
                 json!(method.map(|x| match x {
                     MethodArg::Rtn => "rtn",
                     MethodArg::Gptq => "gptq",
+                })),
+            );
+            put(
+                "format",
+                json!(format.map(|f| match f {
+                    FormatArg::Awq => crate::OutputFormat::Awq.name(),
+                    FormatArg::Gptq => crate::OutputFormat::Gptq.name(),
+                    FormatArg::CompressedTensors => crate::OutputFormat::CompressedTensors.name(),
                 })),
             );
             put("group_size", json!(group_size));

@@ -44,7 +44,7 @@ pub fn inspect(dir: &Path) -> Result<Value> {
             if let Some((_, e)) = arch.expert_of(name) {
                 ids.insert(e);
             }
-            if name.ends_with(".qweight") {
+            if name.ends_with(".qweight") || name.ends_with(".weight_packed") {
                 quantized += 1;
             } else if arch.is_linear(name, t.shape) {
                 linears += 1;

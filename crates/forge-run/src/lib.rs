@@ -1,5 +1,6 @@
 //! The 4bit-forge quantization run: turns a Hugging Face checkpoint folder of
-//! any size into a 4-bit AWQ ("gemm") checkpoint that stock vLLM loads,
+//! any size into a 4-bit checkpoint that stock vLLM loads (AWQ "gemm", GPTQ v1
+//! or compressed-tensors `pack-quantized`, see [`format`]),
 //! streaming one decoder layer at a time. It owns the orchestration, not the
 //! maths (`forge-core`) or the file formats (`forge-io`).
 //!
@@ -13,6 +14,8 @@
 //! - [`run`]: the orchestrator: planned shards written at their offsets as
 //!   results arrive, a manifest of finished units for `--resume` (byte-identical
 //!   to an uninterrupted run), `config.json` and the index written last.
+//! - [`format`]: the output format (tensors of a quantized linear, packing,
+//!   `quantization_config`, what verify expects).
 //! - [`verify`], [`inspect`]: checks and summaries of checkpoint folders.
 //! - [`lock`]: the exclusive lock on an output directory.
 //! - [`cli`]: the `forge-rs` command line, also reached from Python.
@@ -26,6 +29,7 @@
 pub mod arch;
 pub mod cli;
 mod error;
+pub mod format;
 pub mod inspect;
 pub mod lock;
 pub mod options;
@@ -36,6 +40,7 @@ pub mod session;
 pub mod verify;
 
 pub use error::{Error, Result};
+pub use format::OutputFormat;
 pub use plan::QuantOptions;
 pub mod cuda_quantizer;
 pub use cuda_quantizer::CudaRtnQuantizer;

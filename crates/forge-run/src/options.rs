@@ -15,6 +15,7 @@ use forge_core::MseSpec;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
+use crate::format::OutputFormat;
 use crate::plan::QuantOptions;
 use crate::{Error, Result};
 
@@ -75,6 +76,8 @@ pub enum Size {
 pub struct Options {
     /// `rtn` (data-free) or `gptq` (calibrated).
     pub method: Method,
+    /// Output checkpoint format: `awq`, `gptq` (v1, symmetric only) or `compressed-tensors`.
+    pub format: OutputFormat,
     /// Group size along the input dimension: 32, 64 or 128 (what vLLM loads).
     pub group_size: usize,
     /// Symmetric grid (zero point 8) instead of asymmetric.
@@ -146,6 +149,7 @@ impl Default for Options {
         let mse = MseSpec::default();
         Options {
             method: Method::Rtn,
+            format: OutputFormat::Awq,
             group_size: 128,
             symmetric: false,
             grid: Grid::Range,
@@ -183,6 +187,7 @@ impl Default for Options {
 /// Keys that change the output bytes of a run whatever the method.
 const BYTE_KEYS: &[&str] = &[
     "method",
+    "format",
     "group_size",
     "symmetric",
     "grid",
@@ -251,6 +256,7 @@ impl Options {
     pub fn keys() -> Vec<&'static str> {
         vec![
             "method",
+            "format",
             "group_size",
             "symmetric",
             "grid",
@@ -347,6 +353,7 @@ impl Options {
     /// The plan-facing options.
     pub fn quant(&self) -> Result<QuantOptions> {
         Ok(QuantOptions {
+            format: self.format,
             group_size: self.group_size,
             symmetric: self.symmetric,
             grid: self.grid_mode()?,
@@ -363,6 +370,9 @@ impl Options {
         self.quant()?;
         self.cuda_device()?;
         crate::verify::check_quant_options(&self.quant()?)?;
+        self.format
+            .check_options(self.symmetric)
+            .map_err(|e| Error::options("format", e))?;
         if let Some(t) = self.threads {
             if t == 0 {
                 return Err(Error::options("threads", "must be at least 1"));
@@ -478,6 +488,18 @@ mod tests {
         ] {
             let e = Options::from_json(&json!({k: v})).unwrap_err().to_string();
             assert!(e.contains(k), "{k}: {e}");
+        }
+        let e = Options::from_json(&json!({"format": "gptq"}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("format") && e.contains("sym"), "{e}");
+        let e = Options::from_json(&json!({"format": "exl2"}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("format"), "{e}");
+        for f in ["awq", "gptq", "compressed-tensors"] {
+            let o = Options::from_json(&json!({"format": f, "symmetric": true})).unwrap();
+            assert_eq!(o.fingerprint()["format"], json!(f));
         }
         let e = Options::from_json(&json!({"method": "gptq", "damp": 0.0}))
             .unwrap_err()

@@ -11,11 +11,14 @@ use forge_io::{Checkpoint, Dtype, TensorSpec};
 use serde_json::{json, Value};
 
 use crate::arch::{num_hidden_layers, Architecture, Pattern};
+use crate::format::OutputFormat;
 use crate::{Error, Result};
 
 /// What to quantize and how (everything that changes the output bytes).
 #[derive(Debug, Clone)]
 pub struct QuantOptions {
+    /// Output checkpoint format (the tensors and config block of a quantized linear).
+    pub format: OutputFormat,
     /// Group size along the input dimension (32, 64, 128 for vLLM's Marlin path).
     pub group_size: usize,
     /// Symmetric grid (zero point 8) instead of asymmetric.
@@ -38,6 +41,7 @@ pub struct QuantOptions {
 impl Default for QuantOptions {
     fn default() -> Self {
         QuantOptions {
+            format: OutputFormat::Awq,
             group_size: 128,
             symmetric: false,
             grid: GridMode::Range,
@@ -69,6 +73,7 @@ impl QuantOptions {
             }),
         };
         json!({
+            "format": self.format.name(),
             "bits": 4,
             "group_size": self.group_size,
             "symmetric": self.symmetric,
@@ -85,7 +90,8 @@ impl QuantOptions {
 /// What happens to one source tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
-    /// Quantized: index into [`Unit::linears`]; written as qweight/qzeros/scales.
+    /// Quantized: index into [`Unit::linears`]; written as the tensors of the
+    /// output format ([`OutputFormat::specs`]).
     Quantize(usize),
     /// Copied byte for byte.
     Copy,
@@ -378,11 +384,12 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
             match action {
                 Action::Quantize(i) => {
                     let l = &linears[*i];
-                    outputs.extend([
-                        format!("{}.qweight", l.module),
-                        format!("{}.qzeros", l.module),
-                        format!("{}.scales", l.module),
-                    ]);
+                    outputs.extend(
+                        opts.format
+                            .specs(&l.module, l.n, l.k, spec.group_size, spec.symmetric)
+                            .into_iter()
+                            .map(|s| s.name),
+                    );
                 }
                 Action::Copy | Action::ToBf16 => outputs.push(name.clone()),
                 Action::Drop => {}
@@ -407,13 +414,15 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
                 }
             }
         }
-        // vLLM matches these as substrings: none may hit a quantized module.
+        // vLLM matches these (AWQ: as substrings): none may hit a quantized module.
         for l in &linears {
-            if let Some(s) = skip.iter().find(|s| l.module.contains(s.as_str())) {
+            if let Some(s) = skip.iter().find(|s| opts.format.skips(s, &l.module)) {
                 return Err(Error::Unpackable {
                     module: l.module.clone(),
                     reason: format!(
-                        "vLLM would skip it because modules_to_not_convert entry {s:?} is a substring of its name; exclude it too"
+                        "vLLM would skip it because the {} entry {s:?} (format {}) matches its name; exclude it too",
+                        opts.format.skip_list_name(),
+                        opts.format.name()
                     ),
                 });
             }
@@ -503,21 +512,7 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
             match action {
                 Action::Quantize(i) => {
                     let l = &u.linears[*i];
-                    specs.push(TensorSpec::new(
-                        format!("{}.qweight", l.module),
-                        Dtype::I32,
-                        [l.k, l.n / 8],
-                    ));
-                    specs.push(TensorSpec::new(
-                        format!("{}.qzeros", l.module),
-                        Dtype::I32,
-                        [l.k / g, l.n / 8],
-                    ));
-                    specs.push(TensorSpec::new(
-                        format!("{}.scales", l.module),
-                        Dtype::F16,
-                        [l.k / g, l.n],
-                    ));
+                    specs.extend(opts.format.specs(&l.module, l.n, l.k, g, spec.symmetric));
                 }
                 Action::Copy => {
                     let t = ckpt.tensor(name)?;

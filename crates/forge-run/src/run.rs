@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use crate::lock::OutDirLock;
 use crate::options::{Method, Options};
-use crate::plan::{QuantOptions, RunPlan};
+use crate::plan::RunPlan;
 use crate::quantizer::{LayerJob, LinearJob, LinearQuantizer, RtnQuantizer};
 use crate::session::Session;
 use crate::{Error, Result};
@@ -352,18 +352,6 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 
 fn env_usize(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
-}
-
-/// The `quantization_config` written to config.json.
-pub fn awq_config(opts: &QuantOptions, not_convert: &[String]) -> Value {
-    json!({
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": opts.group_size,
-        "zero_point": true,
-        "version": "gemm",
-        "modules_to_not_convert": not_convert,
-    })
 }
 
 /// File names (extensions) never copied from the model directory.

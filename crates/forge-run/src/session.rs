@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use forge_core::pack::{pack_awq, AwqTensors};
+use forge_core::pack::AwqTensors;
 use forge_core::QMeta;
 use forge_io::{Checkpoint, ShardPlan, ShardWriter, PARTIAL_SUFFIX};
 use serde_json::{json, Value};
@@ -36,8 +36,8 @@ use crate::lock::OutDirLock;
 use crate::options::{Method, Options};
 use crate::plan::{self, Action, RunPlan, Unit};
 use crate::run::{
-    awq_config, copy_side_files, fnv, prepare_out_dir, source_fingerprint, write_atomic, Start,
-    FNV0, MANIFEST_FILE,
+    copy_side_files, fnv, prepare_out_dir, source_fingerprint, write_atomic, Start, FNV0,
+    MANIFEST_FILE,
 };
 use crate::{Error, Result, RunReport};
 
@@ -61,6 +61,8 @@ pub struct Session {
     done: BTreeSet<String>,
     state: Option<(String, String)>,
     file_of: HashMap<String, String>,
+    /// Module → (unit, index into its linears).
+    linear_of: HashMap<String, (usize, usize)>,
     notes: Vec<String>,
     resumed: usize,
     resumed_bytes: u64,
@@ -198,8 +200,7 @@ impl Session {
         let last_layer = plan
             .units
             .iter()
-            .filter(|u| u.layer.is_some() && done.contains(&u.key))
-            .last()
+            .rfind(|u| u.layer.is_some() && done.contains(&u.key))
             .map(|u| u.key.clone());
         let state = state.filter(|(key, file)| {
             Some(key) == last_layer.as_ref() && out_dir.join(STATE_DIR).join(file).is_file()
@@ -213,8 +214,20 @@ impl Session {
                 }
             }
         }
+        let linear_of = plan
+            .units
+            .iter()
+            .enumerate()
+            .flat_map(|(ui, u)| {
+                u.linears
+                    .iter()
+                    .enumerate()
+                    .map(move |(li, l)| (l.module.clone(), (ui, li)))
+            })
+            .collect();
         let s = Session {
             ckpt: Arc::new(ckpt),
+            linear_of,
             config,
             notes: plan.notes.clone(),
             plan,
@@ -342,38 +355,49 @@ impl Session {
             })
     }
 
-    /// Writes a quantized linear already in the AWQ layout.
-    pub fn write_awq(&self, module: &str, t: &AwqTensors) -> Result<()> {
-        let w = &self.writer;
-        w.write_tensor(&format!("{module}.qweight"), &le_bytes(&t.qweight))?;
-        w.write_tensor(&format!("{module}.qzeros"), &le_bytes(&t.qzeros))?;
-        let scales: Vec<u8> = t.scales.iter().flat_map(|s| s.to_le_bytes()).collect();
-        w.write_tensor(&format!("{module}.scales"), &scales)?;
-        Ok(())
-    }
-
-    /// Packs and writes a quantized linear from its codes `K × N` (row-major,
-    /// one code per byte) and its grid `N × K/G` (qmeta4 words).
-    pub fn write_linear(&self, module: &str, codes: &[u8], qmeta: &[QMeta]) -> Result<()> {
-        let l = self
-            .plan
-            .units
-            .iter()
-            .flat_map(|u| u.linears.iter())
-            .find(|l| l.module == module)
+    fn linear(&self, module: &str) -> Result<&plan::LinearPlan> {
+        self.linear_of
+            .get(module)
+            .and_then(|&(u, l)| self.plan.units.get(u)?.linears.get(l))
             .ok_or_else(|| {
                 Error::options(
                     "module",
                     format!("{module:?} is not a linear this run quantizes"),
                 )
-            })?;
-        let spec = self.opts.quant()?.grid_spec();
-        let t = pack_awq(codes, qmeta, l.k, l.n, &spec).map_err(|e| Error::Quantize {
+            })
+    }
+
+    fn write_packed(
+        &self,
+        l: &plan::LinearPlan,
+        packed: forge_core::Result<Vec<crate::format::PackedTensor>>,
+    ) -> Result<()> {
+        let packed = packed.map_err(|e| Error::Quantize {
             file: self.ckpt.path().into(),
             tensor: l.weight.clone(),
             source: Box::new(e),
         })?;
-        self.write_awq(module, &t)
+        for (suffix, bytes) in packed {
+            self.writer
+                .write_tensor(&format!("{}.{suffix}", l.module), &bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Writes a quantized linear handed over in the AWQ layout (the fused
+    /// RTN quantizers' output), converted exactly to the run's format.
+    pub fn write_awq(&self, module: &str, t: &AwqTensors) -> Result<()> {
+        let l = self.linear(module)?;
+        let spec = self.opts.quant()?.grid_spec();
+        self.write_packed(l, self.opts.format.from_awq(t, l.k, l.n, &spec))
+    }
+
+    /// Packs and writes a quantized linear from its codes `K × N` (row-major,
+    /// one code per byte) and its grid `N × K/G` (qmeta4 words), in the run's format.
+    pub fn write_linear(&self, module: &str, codes: &[u8], qmeta: &[QMeta]) -> Result<()> {
+        let l = self.linear(module)?;
+        let spec = self.opts.quant()?.grid_spec();
+        self.write_packed(l, self.opts.format.pack(codes, qmeta, l.k, l.n, &spec))
     }
 
     /// Marks unit `i` finished: every planned output must have been written.
@@ -489,12 +513,18 @@ impl Session {
             json!({})
         };
         let quant = opts.quant()?;
+        let has_lm_head = plan
+            .units
+            .iter()
+            .filter(|u| u.layer.is_none())
+            .any(|u| u.tensors.iter().any(|(n, _)| n == "lm_head.weight"));
         if let Some(obj) = cfg.as_object_mut() {
             obj.remove("quantization_config");
             obj.remove("compression_config");
             obj.insert(
                 "quantization_config".into(),
-                awq_config(&quant, &plan.not_convert),
+                opts.format
+                    .quantization_config(&quant, &plan.not_convert, has_lm_head),
             );
         }
         let text = serde_json::to_string_pretty(&cfg).unwrap_or_default() + "\n";
@@ -522,8 +552,4 @@ impl Session {
             notes,
         })
     }
-}
-
-fn le_bytes(v: &[i32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }

@@ -1,5 +1,6 @@
-//! `verify`: checks that an output directory is a complete, consistent AWQ
-//! checkpoint that stock vLLM loads (facts: shared/notes/formats.md).
+//! `verify`: checks that an output directory is a complete, consistent 4-bit
+//! checkpoint (AWQ, GPTQ v1 or compressed-tensors, see [`crate::format`]) that
+//! stock vLLM loads (facts: shared/notes/formats.md).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
@@ -10,11 +11,12 @@ use half::f16;
 use serde_json::{json, Value};
 
 use crate::arch::{config_dim, expected_linears, num_hidden_layers, Architecture, MAX_CONFIG_DIM};
+use crate::format::{parse_gptq_skip_rule, OutputFormat};
 use crate::plan::QuantOptions;
 use crate::run::MANIFEST_FILE;
 use crate::{Error, Result};
 
-/// Group sizes vLLM loads AWQ checkpoints with (its Marlin / AWQ kernels).
+/// Group sizes vLLM loads 4-bit checkpoints with (its Marlin kernels).
 pub const VLLM_GROUP_SIZES: [usize; 3] = [32, 64, 128];
 
 /// Largest JSON metadata file (`config.json`, the index) `verify` reads.
@@ -31,7 +33,7 @@ pub fn check_vllm_group_size(group_size: usize) -> Result<()> {
     } else {
         Err(Error::options(
             "group_size",
-            format!("{group_size}: vLLM loads AWQ checkpoints with group size 32, 64 or 128 only"),
+            format!("{group_size}: vLLM loads 4-bit AWQ, GPTQ and compressed-tensors checkpoints with group size 32, 64 or 128 only"),
         ))
     }
 }
@@ -122,12 +124,14 @@ fn push_capped(
 pub struct VerifyReport {
     /// Tensors in the checkpoint.
     pub tensors: usize,
-    /// Quantized linears (qweight/qzeros/scales triples).
+    /// Quantized linears (their primary tensor: `qweight` or `weight_packed`).
     pub quantized: usize,
     /// Unquantized linear-like modules.
     pub unquantized: usize,
     /// Group size from config.json.
     pub group_size: usize,
+    /// Output format from config.json (`awq`, `gptq`, `compressed-tensors`).
+    pub format: String,
     /// Shard files.
     pub shards: usize,
     /// Every problem found (empty: the checkpoint is fine).
@@ -143,6 +147,7 @@ impl VerifyReport {
             "quantized": self.quantized,
             "unquantized": self.unquantized,
             "group_size": self.group_size,
+            "format": self.format,
             "shards": self.shards,
             "problems": self.problems,
         })
@@ -255,55 +260,27 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
         .cloned()
         .unwrap_or(Value::Null);
     let mut g = 0usize;
+    let mut format = OutputFormat::Awq;
+    let mut symmetric = false;
     let mut not_convert: Vec<String> = Vec::new();
     if q.is_null() {
         problems.push("config.json has no quantization_config".into());
     } else {
-        let want = [
-            ("quant_method", json!("awq")),
-            ("bits", json!(4)),
-            ("zero_point", json!(true)),
-            ("version", json!("gemm")),
-        ];
-        for (k, v) in want {
-            if q.get(k) != Some(&v) {
-                problems.push(format!(
-                    "config.json quantization_config.{k} is {}, expected {v}",
-                    q.get(k).map_or("missing".into(), Value::to_string)
-                ));
-            }
-        }
-        match q.get("group_size").and_then(Value::as_u64) {
-            Some(x) => match usize::try_from(x).map_err(|_| ()).and_then(|x| {
-                check_vllm_group_size(x).map(|()| x).map_err(|_| ())
-            }) {
-                Ok(x) => g = x,
-                Err(()) => problems.push(format!(
-                    "config.json quantization_config.group_size {x}: vLLM loads AWQ with 32, 64 or 128 only"
-                )),
-            },
+        let method = q.get("quant_method").and_then(Value::as_str);
+        match method.and_then(OutputFormat::from_quant_method) {
+            Some(f) => format = f,
             None => problems.push(format!(
-                "config.json quantization_config.group_size is {}, expected 32, 64 or 128",
-                q.get("group_size").map_or("missing".into(), Value::to_string)
+                "config.json quantization_config.quant_method is {}, expected \"awq\", \"gptq\" or \"compressed-tensors\"",
+                q.get("quant_method").map_or("missing".into(), Value::to_string)
             )),
         }
-        match q.get("modules_to_not_convert") {
-            None | Some(Value::Null) => {}
-            Some(Value::Array(a)) => {
-                for v in a {
-                    match v.as_str() {
-                        Some(s) => not_convert.push(s.to_owned()),
-                        None => {
-                            problems.push(format!("modules_to_not_convert holds a non-string {v}"))
-                        }
-                    }
-                }
-            }
-            Some(v) => problems.push(format!("modules_to_not_convert is {v}, expected a list")),
-        }
+        let (g_read, sym) = check_quant_config(format, &q, &mut not_convert, &mut problems);
+        g = g_read;
+        symmetric = sym;
     }
     r.group_size = g;
-    let skipped = |module: &str| not_convert.iter().any(|s| module.contains(s.as_str()));
+    r.format = format.name().into();
+    let skipped = |module: &str| not_convert.iter().any(|s| format.skips(s, module));
     let arch = Architecture::detect(&config);
     let n_layers = num_hidden_layers(&config).filter(|&n| {
         let ok = n <= MAX_CONFIG_DIM;
@@ -326,6 +303,7 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
     });
 
     // Tensors.
+    let primary = format.primary();
     let mut quantized: BTreeSet<String> = BTreeSet::new();
     for t in ckpt.iter() {
         let name = t.name;
@@ -338,80 +316,31 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
         if name.ends_with("_scale_inv") {
             problems.push(format!("{name}: stray FP8 scale"));
         }
-        if let Some(m) = name.strip_suffix(".qweight") {
+        let Some((m, suffix)) = quantized_part(name) else {
+            continue;
+        };
+        if !format.all_suffixes().contains(&suffix) {
+            problems.push(format!(
+                "{name} ({}): a .{suffix} tensor does not belong to format {} (vLLM raises KeyError on it)",
+                t.file.display(),
+                format.name()
+            ));
+        } else if suffix == primary {
             quantized.insert(m.to_owned());
-        } else if let Some(m) = name
-            .strip_suffix(".qzeros")
-            .or_else(|| name.strip_suffix(".scales"))
-        {
-            if ckpt.get(&format!("{m}.qweight")).is_none() {
-                problems.push(format!("{name}: no {m}.qweight next to it"));
-            }
-        } else if name.ends_with(".g_idx") {
-            problems.push(format!("{name}: stray g_idx (AWQ has none)"));
+        } else if ckpt.get(&format!("{m}.{primary}")).is_none() {
+            problems.push(format!(
+                "{name} ({}): no {m}.{primary} next to it",
+                t.file.display()
+            ));
         }
     }
     r.quantized = quantized.len();
     for m in &quantized {
-        let get = |s: &str| ckpt.get(&format!("{m}.{s}"));
-        if get("weight").is_some() {
-            problems.push(format!("{m}: both .weight and .qweight"));
-        }
-        let Some(qw) = get("qweight") else { continue };
-        let (Some(qz), Some(sc)) = (get("qzeros"), get("scales")) else {
-            problems.push(format!("{m}: qweight without qzeros and scales"));
-            continue;
-        };
+        check_quantized_linear(&ckpt, format, m, g, symmetric, &mut problems);
         if skipped(m) {
-            problems.push(format!("{m}: quantized, but modules_to_not_convert has an entry that is a substring of its name, so vLLM would load it as unquantized"));
-        }
-        let &[k, n8] = qw.shape else {
             problems.push(format!(
-                "{m}.qweight ({}): shape {:?}, expected [K, N/8] (rank 2)",
-                qw.file.display(),
-                qw.shape
-            ));
-            continue;
-        };
-        let n = n8 * 8;
-        if qw.dtype != Dtype::I32 || qz.dtype != Dtype::I32 || sc.dtype != Dtype::F16 {
-            problems.push(format!(
-                "{m}: dtypes qweight {}, qzeros {}, scales {}; expected I32, I32, F16",
-                qw.dtype, qz.dtype, sc.dtype
-            ));
-            continue;
-        }
-        if g == 0 {
-            continue;
-        }
-        if k % g != 0 || n == 0 {
-            problems.push(format!(
-                "{m}.qweight: K = {k} is not a multiple of group size {g}"
-            ));
-            continue;
-        }
-        if qz.shape != [k / g, n8] {
-            problems.push(format!(
-                "{m}.qzeros: shape {:?}, expected {:?}",
-                qz.shape,
-                [k / g, n8]
-            ));
-        }
-        if sc.shape != [k / g, n] {
-            problems.push(format!(
-                "{m}.scales: shape {:?}, expected {:?}",
-                sc.shape,
-                [k / g, n]
-            ));
-        } else if let Some(i) = sc.bytes.chunks_exact(2).position(|b| {
-            !(f16::from_le_bytes([b[0], b[1]]).to_f32() > 0.0
-                && f16::from_le_bytes([b[0], b[1]]).is_finite())
-        }) {
-            problems.push(format!(
-                "{m}.scales ({}): element {i} (group {}, column {}) is not a positive finite fp16 number",
-                sc.file.display(),
-                i / n.max(1),
-                i % n.max(1)
+                "{m}: quantized, but an entry of quantization_config.{} matches it, so vLLM would load it as unquantized",
+                format.skip_list_name()
             ));
         }
     }
@@ -436,8 +365,9 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
             if !q.is_null() && !skipped(module) {
                 let mtp = arch.has_mtp && n_layers.is_some_and(|n| layer >= n);
                 problems.push(format!(
-                    "{module}{}: unquantized but not in modules_to_not_convert (vLLM would expect {module}.qweight)",
-                    if mtp { " (MTP layer)" } else { "" }
+                    "{module}{}: unquantized but not in {} of quantization_config (vLLM would expect {module}.{primary})",
+                    if mtp { " (MTP layer)" } else { "" },
+                    format.skip_list_name()
                 ));
             }
         }
@@ -492,7 +422,15 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
             }
         }
     }
-    check_expected_layout(&ckpt, &config, &arch, n_layers, &mut problems, &mut counts);
+    check_expected_layout(
+        &ckpt,
+        &config,
+        &arch,
+        format,
+        n_layers,
+        &mut problems,
+        &mut counts,
+    );
     check_finite_copies(&ckpt, &mut problems, &mut counts);
     for (kind, &c) in &counts {
         if c > MAX_LISTED {
@@ -513,6 +451,7 @@ fn check_expected_layout(
     ckpt: &Checkpoint,
     config: &Value,
     arch: &Architecture,
+    format: OutputFormat,
     n_layers: Option<usize>,
     problems: &mut Vec<String>,
     counts: &mut BTreeMap<&'static str, usize>,
@@ -541,11 +480,18 @@ fn check_expected_layout(
         for e in expected {
             let module = format!("{prefix}layers.{layer}.{}", e.module);
             let (n, k) = (e.n, e.k);
-            if let Some(qw) = ckpt.get(&format!("{module}.qweight")) {
-                if qw.shape != [k, n / 8] || !n.is_multiple_of(8) {
+            let primary = format.primary();
+            if let Some(qw) = ckpt.get(&format!("{module}.{primary}")) {
+                let want = format
+                    .specs(&module, n, k, 1, true)
+                    .into_iter()
+                    .next()
+                    .map(|s| s.shape)
+                    .unwrap_or_default();
+                if qw.shape != want.as_slice() || !n.is_multiple_of(8) || !k.is_multiple_of(8) {
                     push_capped(problems, counts, "shape", format!(
-                        "{module}.qweight ({}): shape {:?}, but config.json implies [{k}, {}] (in_features {k}, out_features {n})",
-                        qw.file.display(), qw.shape, n / 8
+                        "{module}.{primary} ({}): shape {:?}, but config.json implies {want:?} (in_features {k}, out_features {n})",
+                        qw.file.display(), qw.shape
                     ));
                 }
             } else if let Some(w) = ckpt.get(&format!("{module}.weight")) {
@@ -566,7 +512,7 @@ fn check_expected_layout(
                     problems,
                     counts,
                     "missing linear",
-                    format!("{module}: missing (neither .qweight nor .weight; config.json implies a [{n}, {k}] linear)"),
+                    format!("{module}: missing (neither .{} nor .weight; config.json implies a [{n}, {k}] linear)", format.primary()),
                 );
             }
         }
@@ -601,8 +547,8 @@ fn check_finite_copies(
     counts: &mut BTreeMap<&'static str, usize>,
 ) {
     for t in ckpt.iter() {
-        if t.name.ends_with(".scales") {
-            continue; // checked with the quantized triple
+        if t.name.ends_with(".scales") || t.name.ends_with(".weight_scale") {
+            continue; // checked with the quantized linear
         }
         if let Some(i) = first_non_finite(t.dtype, t.bytes) {
             push_capped(
@@ -618,6 +564,329 @@ fn check_finite_copies(
             );
         }
         ckpt.release([t.name]);
+    }
+}
+
+/// `(module, suffix)` of a tensor of a quantized linear in any supported format.
+fn quantized_part(name: &str) -> Option<(&str, &'static str)> {
+    OutputFormat::ALL
+        .iter()
+        .flat_map(|f| f.all_suffixes().iter())
+        .find_map(|s| {
+            name.strip_suffix(s)
+                .and_then(|m| m.strip_suffix('.'))
+                .map(|m| (m, *s))
+        })
+}
+
+fn shown(q: &Value, key: &str) -> String {
+    q.get(key).map_or("missing".into(), Value::to_string)
+}
+
+fn check_group_size(v: Option<&Value>, what: &str, problems: &mut Vec<String>) -> usize {
+    match v.and_then(Value::as_u64) {
+        Some(x) => match usize::try_from(x)
+            .map_err(|_| ())
+            .and_then(|x| check_vllm_group_size(x).map(|()| x).map_err(|_| ()))
+        {
+            Ok(x) => x,
+            Err(()) => {
+                problems.push(format!(
+                    "config.json {what} {x}: vLLM loads 4-bit checkpoints with 32, 64 or 128 only"
+                ));
+                0
+            }
+        },
+        None => {
+            problems.push(format!(
+                "config.json {what} is {}, expected 32, 64 or 128",
+                v.map_or("missing".into(), Value::to_string)
+            ));
+            0
+        }
+    }
+}
+
+fn string_list(v: Option<&Value>, what: &str, out: &mut Vec<String>, problems: &mut Vec<String>) {
+    match v {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) => {
+            for v in a {
+                match v.as_str() {
+                    Some(s) => out.push(s.to_owned()),
+                    None => problems.push(format!("{what} holds a non-string {v}")),
+                }
+            }
+        }
+        Some(v) => problems.push(format!("{what} is {v}, expected a list")),
+    }
+}
+
+/// Checks the `quantization_config` block of `format`; returns the group size
+/// (0 when unusable) and whether the grid is symmetric, and fills `skip` with
+/// the modules it leaves unquantized.
+fn check_quant_config(
+    format: OutputFormat,
+    q: &Value,
+    skip: &mut Vec<String>,
+    problems: &mut Vec<String>,
+) -> (usize, bool) {
+    let expect = |k: &str, v: Value, problems: &mut Vec<String>| {
+        if q.get(k) != Some(&v) {
+            problems.push(format!(
+                "config.json quantization_config.{k} is {}, expected {v}",
+                shown(q, k)
+            ));
+        }
+    };
+    match format {
+        OutputFormat::Awq => {
+            expect("bits", json!(4), problems);
+            expect("zero_point", json!(true), problems);
+            expect("version", json!("gemm"), problems);
+            let g = check_group_size(
+                q.get("group_size"),
+                "quantization_config.group_size",
+                problems,
+            );
+            string_list(
+                q.get("modules_to_not_convert"),
+                "modules_to_not_convert",
+                skip,
+                problems,
+            );
+            (g, false)
+        }
+        OutputFormat::Gptq => {
+            expect("bits", json!(4), problems);
+            expect("desc_act", json!(false), problems);
+            expect("sym", json!(true), problems);
+            expect("checkpoint_format", json!("gptq"), problems);
+            let g = check_group_size(
+                q.get("group_size"),
+                "quantization_config.group_size",
+                problems,
+            );
+            match q.get("dynamic") {
+                None | Some(Value::Null) => {}
+                Some(Value::Object(rules)) => {
+                    for rule in rules.keys() {
+                        match parse_gptq_skip_rule(rule) {
+                            Some(m) => skip.push(m),
+                            None => problems.push(format!(
+                                "config.json quantization_config.dynamic rule {rule:?} is not a rule forge writes (\"-:<escaped module>(?:\\.|$)\"); cannot check what vLLM does with it"
+                            )),
+                        }
+                    }
+                }
+                Some(v) => problems.push(format!(
+                    "config.json quantization_config.dynamic is {v}, expected an object"
+                )),
+            }
+            (g, true)
+        }
+        OutputFormat::CompressedTensors => {
+            expect("format", json!("pack-quantized"), problems);
+            let groups = q.get("config_groups").and_then(Value::as_object);
+            let weights: Vec<&Value> = groups
+                .map(|g| g.values().filter_map(|x| x.get("weights")).collect())
+                .unwrap_or_default();
+            let Some(w) = weights
+                .first()
+                .filter(|_| weights.len() == 1 && groups.is_some_and(|g| g.len() == 1))
+            else {
+                problems.push(format!(
+                    "config.json quantization_config.config_groups is {}, expected one group with \"weights\"",
+                    shown(q, "config_groups")
+                ));
+                return (0, true);
+            };
+            for (k, v) in [
+                ("num_bits", json!(4)),
+                ("type", json!("int")),
+                ("strategy", json!("group")),
+            ] {
+                if w.get(k) != Some(&v) {
+                    problems.push(format!(
+                        "config.json config_groups weights.{k} is {}, expected {v}",
+                        shown(w, k)
+                    ));
+                }
+            }
+            for k in ["actorder", "dynamic"] {
+                if !matches!(
+                    w.get(k),
+                    None | Some(Value::Null) | Some(Value::Bool(false))
+                ) {
+                    problems.push(format!(
+                        "config.json config_groups weights.{k} is {}, expected null or false",
+                        shown(w, k)
+                    ));
+                }
+            }
+            let symmetric = match w.get("symmetric") {
+                Some(Value::Bool(b)) => *b,
+                v => {
+                    problems.push(format!(
+                        "config.json config_groups weights.symmetric is {}, expected true or false",
+                        v.map_or("missing".into(), Value::to_string)
+                    ));
+                    true
+                }
+            };
+            let g = check_group_size(
+                w.get("group_size"),
+                "config_groups weights.group_size",
+                problems,
+            );
+            let mut ignore = Vec::new();
+            string_list(
+                q.get("ignore"),
+                "quantization_config.ignore",
+                &mut ignore,
+                problems,
+            );
+            for e in ignore {
+                if e.starts_with("re:") {
+                    problems.push(format!(
+                        "config.json quantization_config.ignore entry {e:?} is a regular expression; forge writes (and checks) full module names only"
+                    ));
+                } else {
+                    skip.push(e);
+                }
+            }
+            (g, symmetric)
+        }
+    }
+}
+
+fn le_i64s(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+        .collect()
+}
+
+/// The tensors of quantized linear `m` against what `format` writes: every
+/// one present with its dtype and shape, nothing extra, positive finite
+/// scales, `g_idx = k // G` (GPTQ) and `weight_shape = [N, K]` (compressed-tensors).
+fn check_quantized_linear(
+    ckpt: &Checkpoint,
+    format: OutputFormat,
+    m: &str,
+    g: usize,
+    symmetric: bool,
+    problems: &mut Vec<String>,
+) {
+    let get = |s: &str| ckpt.get(&format!("{m}.{s}"));
+    let primary = format.primary();
+    if get("weight").is_some() {
+        problems.push(format!("{m}: both .weight and .{primary}"));
+    }
+    let Some(p) = get(primary) else { return };
+    let Some(shape) = format.shape_from_primary(p.shape) else {
+        problems.push(format!(
+            "{m}.{primary} ({}): shape {:?}, expected rank 2 ({})",
+            p.file.display(),
+            p.shape,
+            format.name()
+        ));
+        return;
+    };
+    let (n, k) = (shape.n, shape.k);
+    if g == 0 {
+        return;
+    }
+    if !k.is_multiple_of(g) || n == 0 || k == 0 {
+        problems.push(format!(
+            "{m}.{primary} ({}): in_features {k} is not a positive multiple of group size {g}",
+            p.file.display()
+        ));
+        return;
+    }
+    let specs = format.specs(m, n, k, g, symmetric);
+    for s in &specs {
+        let suffix = &s.name[m.len() + 1..];
+        let Some(t) = ckpt.get(&s.name) else {
+            problems.push(format!(
+                "{m}: no {} (format {} writes {}, {:?} with {primary} {:?})",
+                s.name,
+                format.name(),
+                s.dtype,
+                s.shape,
+                p.shape
+            ));
+            continue;
+        };
+        let dtype_ok = t.dtype == s.dtype
+            || (format == OutputFormat::CompressedTensors
+                && suffix == "weight_scale"
+                && t.dtype == Dtype::BF16);
+        if !dtype_ok || t.shape != s.shape.as_slice() {
+            problems.push(format!(
+                "{} ({}): {} {:?}, expected {} {:?}",
+                s.name,
+                t.file.display(),
+                t.dtype,
+                t.shape,
+                s.dtype,
+                s.shape
+            ));
+            continue;
+        }
+        match suffix {
+            "scales" | "weight_scale" => {
+                let bad = t.bytes.chunks_exact(2).position(|b| {
+                    let v = if t.dtype == Dtype::BF16 {
+                        half::bf16::from_le_bytes([b[0], b[1]]).to_f32()
+                    } else {
+                        f16::from_le_bytes([b[0], b[1]]).to_f32()
+                    };
+                    !(v > 0.0 && v.is_finite())
+                });
+                if let Some(i) = bad {
+                    problems.push(format!(
+                        "{} ({}): element {i} is not a positive finite {} number",
+                        s.name,
+                        t.file.display(),
+                        t.dtype
+                    ));
+                }
+            }
+            "g_idx" => {
+                let bad = t.bytes.chunks_exact(4).enumerate().find(|(i, b)| {
+                    i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64 != (i / g) as i64
+                });
+                if let Some((i, _)) = bad {
+                    problems.push(format!(
+                        "{} ({}): element {i} is not {i} // {g} (act-order / desc_act is not written by forge and vLLM needs desc_act false)",
+                        s.name,
+                        t.file.display()
+                    ));
+                }
+            }
+            "weight_shape" => {
+                let v = le_i64s(t.bytes);
+                if v != [n as i64, k as i64] {
+                    problems.push(format!(
+                        "{} ({}): holds {v:?}, but {primary} {:?} implies [{n}, {k}]",
+                        s.name,
+                        t.file.display(),
+                        p.shape
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    for suffix in format.all_suffixes() {
+        let name = format!("{m}.{suffix}");
+        if ckpt.get(&name).is_some() && !specs.iter().any(|s| s.name == name) {
+            problems.push(format!(
+                "{name}: not part of format {} with symmetric = {symmetric} (vLLM raises KeyError on it)",
+                format.name()
+            ));
+        }
     }
 }
 

@@ -260,3 +260,133 @@ fn cli_parses_sizes_and_reports_usage_errors() {
         1
     );
 }
+
+fn i32s(b: &[u8]) -> Vec<i32> {
+    b.chunks(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn f16s(b: &[u8]) -> Vec<half::f16> {
+    b.chunks(2)
+        .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// `(codes K × N, zeros K/G × N, scales K/G × N)` of `m` in any format, via forge-core's unpackers.
+fn parts(
+    ck: &Checkpoint,
+    f: forge_run::OutputFormat,
+    m: &str,
+    k: usize,
+    n: usize,
+    g: usize,
+) -> (Vec<u8>, Vec<u8>, Vec<half::f16>) {
+    use forge_core::pack;
+    let t = |s: &str| ck.tensor(&format!("{m}.{s}")).unwrap().bytes;
+    match f {
+        forge_run::OutputFormat::Awq => {
+            let (c, z) =
+                pack::unpack_awq(&i32s(t("qweight")), &i32s(t("qzeros")), k, n, g).unwrap();
+            (c, z, f16s(t("scales")))
+        }
+        forge_run::OutputFormat::Gptq => {
+            let (c, z) =
+                pack::unpack_gptq(&i32s(t("qweight")), &i32s(t("qzeros")), k, n, g).unwrap();
+            (c, z, f16s(t("scales")))
+        }
+        forge_run::OutputFormat::CompressedTensors => {
+            let ct = pack::CompressedTensors {
+                weight_packed: i32s(t("weight_packed")),
+                weight_scale: f16s(t("weight_scale")),
+                weight_shape: [n as i64, k as i64],
+                weight_zero_point: ck
+                    .get(&format!("{m}.weight_zero_point"))
+                    .map(|z| i32s(z.bytes)),
+            };
+            pack::unpack_compressed(&ct, k, n, g).unwrap()
+        }
+    }
+}
+
+#[test]
+fn every_format_verifies_and_holds_the_same_grid() {
+    use forge_run::OutputFormat;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = llama(&tmp.path().join("src"), 1);
+    for symmetric in [true, false] {
+        let mut grids = Vec::new();
+        for f in OutputFormat::ALL {
+            let o = Options {
+                format: f,
+                symmetric,
+                // kv_b-like exclusion: an unquantized linear the config must list
+                exclude: vec!["o_proj".into()],
+                ..opts(32)
+            };
+            let out = tmp.path().join(format!("{}-{symmetric}", f.name()));
+            let r = forge_run::quantize(&src, &out, &o, &NoProgress);
+            if f == OutputFormat::Gptq && !symmetric {
+                let e = r.unwrap_err().to_string();
+                assert!(e.contains("format") && e.contains("sym"), "{e}");
+                continue;
+            }
+            assert_eq!(r.unwrap().quantized, 6);
+            let v = forge_run::verify::verify(&out).unwrap();
+            assert_eq!((v.quantized, v.format.as_str()), (6, f.name()));
+            let ck = Checkpoint::open(&out).unwrap();
+            let m = "model.layers.0.mlp.down_proj";
+            grids.push(parts(&ck, f, m, 128, 64, 32));
+            assert!(ck.get("model.layers.0.self_attn.o_proj.weight").is_some());
+        }
+        assert!(grids.len() >= 2);
+        assert!(grids.iter().all(|g| *g == grids[0]), "sym {symmetric}");
+    }
+    // Corruptions are named: a missing g_idx, a wrong weight_shape.
+    let gptq = tmp.path().join("gptq-true");
+    let ct = tmp.path().join("compressed-tensors-true");
+    let rewrite = |dir: &Path, edit: &dyn Fn(&str, &mut Vec<u8>) -> bool| {
+        let ck = Checkpoint::open(dir).unwrap();
+        let mut keep: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+        for t in ck.iter() {
+            let mut b = t.bytes.to_vec();
+            if edit(t.name, &mut b) {
+                keep.push((t.name.into(), t.dtype, t.shape.to_vec(), b));
+            }
+        }
+        drop(ck);
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.to_string_lossy().contains(".safetensors") {
+                std::fs::remove_file(p).unwrap();
+            }
+        }
+        let specs = keep
+            .iter()
+            .map(|(n, d, s, _)| TensorSpec::new(n.clone(), *d, s.clone()));
+        let w = ShardWriter::create(
+            dir,
+            ShardPlan::new(specs, 1 << 30).unwrap(),
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        for (n, _, _, b) in &keep {
+            w.write_tensor(n, b).unwrap();
+        }
+        w.finish().unwrap();
+    };
+    rewrite(&gptq, &|n, _| n != "model.layers.0.mlp.up_proj.g_idx");
+    let e = forge_run::verify::verify(&gptq).unwrap_err().to_string();
+    assert!(e.contains("model.layers.0.mlp.up_proj.g_idx"), "{e}");
+    rewrite(&ct, &|n, b| {
+        if n == "model.layers.0.mlp.up_proj.weight_shape" {
+            b[..8].copy_from_slice(&7i64.to_le_bytes());
+        }
+        true
+    });
+    let e = forge_run::verify::verify(&ct).unwrap_err().to_string();
+    assert!(
+        e.contains("model.layers.0.mlp.up_proj.weight_shape") && e.contains("[7, 64]"),
+        "{e}"
+    );
+}
