@@ -319,3 +319,16 @@ def test_gptq_run_on_cuda_agrees_with_the_cpu(src, ids_file, tmp_path):
     a, b = dequantized_state_dict(tmp_path / "cpu", G), dequantized_state_dict(tmp_path / "gpu", G)
     same = sum(int((a[k] == b[k]).sum()) for k in a) / sum(a[k].numel() for k in a)
     assert same > 0.8, same
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+def test_gptq_run_writes_every_format(fmt, src, ids_file, tmp_path):
+    """The calibrated run packs through the run's output format: same codes as the AWQ run."""
+    forge.quantize_model(src, tmp_path / "awq", **_opts(ids_file, symmetric=True))
+    forge.quantize_model(src, tmp_path / fmt, **_opts(ids_file, symmetric=True, format=fmt))
+    assert forge.verify(tmp_path / fmt).format == fmt
+    tokens = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a = forge.load_quantized(tmp_path / "awq", dtype=torch.float32)[0](tokens).logits
+        b = forge.load_quantized(tmp_path / fmt, dtype=torch.float32)[0](tokens).logits
+    _close(b, a, rel=1e-5)
