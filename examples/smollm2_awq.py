@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: rtn, mse, gptq (default rtn,gptq; mse adds ~3 min on 2 cores)",
     )
     ap.add_argument(
-        "--nsamples", type=int, default=32, help="GPTQ calibration windows (default 32; 128 on a GPU)"
+        "--nsamples", type=int, default=16, help="GPTQ calibration windows (default 16; use 128 on a GPU)"
     )
     ap.add_argument("--seqlen", type=int, default=512, help="GPTQ calibration window length (default 512)")
     ap.add_argument("--group-size", type=int, default=64, help="AWQ group size (default 64; 576 %% 128 != 0)")
