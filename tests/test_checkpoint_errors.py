@@ -247,8 +247,9 @@ def test_tensor_dtype_views_are_untouched(llama, tmp_path):
     )
 
 
-def test_disk_full_mid_run_on_a_small_tmpfs(tmp_path, capfd):
-    """A real ENOSPC in the middle of the run (shards are sparse until written): needs mount rights."""
+def test_disk_full_mid_run_on_a_small_tmpfs(tmp_path, capfd, monkeypatch):
+    """The free-space check refuses up front; with it skipped, a real ENOSPC in the middle of
+    the run (shards are sparse until written) is a clean OSError. Needs mount rights."""
     src = make_model("deepseek", tmp_path / "src")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -257,6 +258,13 @@ def test_disk_full_mid_run_on_a_small_tmpfs(tmp_path, capfd):
         pytest.skip("cannot mount a tmpfs here")
     try:
         out = mnt / "out"
+        with pytest.raises(
+            errors.CheckpointError, match=r"not enough free space.*FORGE_DISK_CHECK=0"
+        ) as info:
+            api.quantize_model(src, out, group_size=G, max_shard_size="40KB", progress=False)
+        assert str(out) in str(info.value) and "available" in str(info.value)
+        assert not any(p.name.endswith(".partial") for p in out.iterdir())
+        monkeypatch.setenv("FORGE_DISK_CHECK", "0")
         with pytest.raises(OSError) as info:
             api.quantize_model(src, out, group_size=G, max_shard_size="40KB", progress=False)
         assert info.value.errno == 28 and "No space left" in str(info.value) and ".partial" in str(info.value)

@@ -285,11 +285,18 @@ def test_fused_groups_are_all_or_none(sources, tmp_path):
 def test_refuses_non_empty_out_dir_and_overwrites(sources, tmp_path):
     out = tmp_path / "o"
     out.mkdir()
-    (out / "keep.txt").write_text("x")
+    (out / "config.json").write_text("{}")
+    (out / "model-00001-of-00009.safetensors.partial").write_text("x")
     with pytest.raises(errors.CheckpointError, match="not empty.*--overwrite"):
         api.quantize_model(sources["llama"], out, group_size=G, progress=False)
+    # --overwrite never deletes a user's files: it refuses and names them.
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(errors.CheckpointError, match="keep.txt"):
+        api.quantize_model(sources["llama"], out, group_size=G, overwrite=True, progress=False)
+    assert (out / "keep.txt").read_text() == "x"
+    (out / "keep.txt").unlink()
     rep = api.quantize_model(sources["llama"], out, group_size=G, overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and rep.quantized == 14
+    assert not (out / "model-00001-of-00009.safetensors.partial").exists() and rep.quantized == 14
     with pytest.raises(errors.CheckpointError, match="model directory"):
         api.quantize_model(sources["llama"], sources["llama"], group_size=G, overwrite=True, progress=False)
 
@@ -319,6 +326,67 @@ def test_resume_after_test_hook_abort_is_byte_identical(sources, tmp_path, monke
     assert dir_bytes(out) == dir_bytes(clean)
     with pytest.raises(errors.CheckpointError, match="finished checkpoint"):
         api.quantize_model(src, out, group_size=G, max_shard_size="100KB", resume=True, progress=False)
+
+
+def test_kill_while_publishing_resumes_byte_identically(sources, tmp_path, monkeypatch):
+    src = sources["deepseek_fp8"]
+    kw = dict(group_size=G, max_shard_size="60KB", progress=False)
+    clean = tmp_path / "clean"
+    rep = api.quantize_model(src, clean, **kw)
+    assert rep.shards >= 3
+    out = tmp_path / "out"
+    monkeypatch.setenv("FORGE_TEST_ABORT_AFTER_RENAMES", "1")
+    with pytest.raises(errors.CheckpointError, match="test hook"):
+        api.quantize_model(src, out, **kw)
+    assert (out / f"model-00001-of-{rep.shards:05}.safetensors").exists()
+    assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
+    manifest = json.loads((out / "forge-manifest.json").read_text())
+    assert manifest["finishing"]["renamed"] == [f"model-00001-of-{rep.shards:05}.safetensors"]
+    monkeypatch.delenv("FORGE_TEST_ABORT_AFTER_RENAMES")
+    rep2 = api.quantize_model(src, out, resume=True, **kw)
+    assert rep2.resumed_units == rep2.units
+    assert dir_bytes(out) == dir_bytes(clean)
+
+
+def test_pickle_only_folder_is_refused_without_unpickling(tmp_path):
+    d = tmp_path / "legacy"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    # Unpickling this would create a file: the run must never load it.
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(Boom()))
+    with pytest.raises(errors.CheckpointError, match=r"safe_serialization=True") as e:
+        api.quantize_model(d, tmp_path / "out", group_size=G, progress=False)
+    assert "pytorch_model.bin" in str(e.value) and "save_pretrained" in str(e.value)
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("threads", "x"),
+        ("threads", 1.5),
+        ("group_size", None),
+        ("group_size", "128"),
+        ("max_shard_size", -5),
+        ("max_shard_size", "-5"),
+        ("max_shard_size", "-5GB"),
+        ("symmetric", "yes"),
+        ("resume", None),
+    ],
+)
+def test_option_type_errors_name_the_argument(sources, tmp_path, option, value):
+    with pytest.raises(errors.ForgeError) as e:
+        api.quantize_model(sources["llama"], tmp_path / "out", progress=False, **{option: value})
+    msg = str(e.value)
+    assert isinstance(e.value, ValueError), type(e.value)
+    assert option in msg and "unknown unit" not in msg, msg
+    assert not (tmp_path / "out").exists()
 
 
 def _cli(capfd, *args) -> tuple[int, str, str]:

@@ -107,11 +107,31 @@ impl Checkpoint {
             return Self::build(path, vec![load_shard(single)?]);
         }
         let mut found = Vec::new();
+        let mut pickles = Vec::new();
         for entry in std::fs::read_dir(path).map_err(Error::io("list", path, None))? {
             let p = entry.map_err(Error::io("list", path, None))?.path();
-            if p.extension().is_some_and(|e| e == "safetensors") && p.is_file() {
+            let is = |ext: &str| p.extension().is_some_and(|e| e == ext);
+            if is("safetensors") && p.is_file() {
                 found.push(p);
+            } else if (is("bin") || is("pt") || is("pth")) && p.is_file() {
+                pickles.push(p);
             }
+        }
+        if found.is_empty() && !pickles.is_empty() {
+            // Pickles can run code when loaded: they are never opened here.
+            pickles.sort();
+            let name = pickles[0]
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let dir = path.display();
+            return Err(Error::NoCheckpoint {
+                path: path.into(),
+                reason: format!(
+                    "it holds only PyTorch pickle weights ({name}, {} file(s)), which forge never loads (unpickling can run code); convert them once to safetensors with transformers, e.g. python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{dir}', torch_dtype='auto').save_pretrained('{dir}-safetensors', safe_serialization=True)\" (then copy the tokenizer files), and quantize {dir}-safetensors",
+                    pickles.len()
+                ),
+            });
         }
         match <[PathBuf; 1]>::try_from(found) {
             Ok([one]) => Self::build(path, vec![load_shard(one)?]),
@@ -327,16 +347,12 @@ impl Checkpoint {
         self.slots.iter().map(|s| s.range.len() as u64).sum()
     }
 
-    /// The tensor as `f32`. An `F8_E4M3` tensor `X` must have a sibling
-    /// `X_scale_inv` (e.g. `X.weight_scale_inv`) of shape
-    /// `[ceil(N/128), ceil(K/128)]` for its `[N, K]` shape; the result is
-    /// `W[n, k] = fp8[n, k] · scale_inv[n / 128, k / 128]`, row-major.
-    /// Other float dtypes are converted as [`TensorView::to_f32`] does.
-    pub fn dequantized_f32(&self, name: &str) -> Result<Vec<f32>> {
+    /// Checks, from the headers alone, that the `F8_E4M3` tensor `name` is a
+    /// 2-D weight `[N, K]` with a floating-point sibling `name_scale_inv` of
+    /// shape `[ceil(N/128), ceil(K/128)]` (what [`Checkpoint::dequantized_f32`]
+    /// needs); returns the scale and `[N, K]`.
+    pub fn fp8_scale(&self, name: &str) -> Result<(TensorView<'_>, [usize; 2])> {
         let w = self.tensor(name)?;
-        if w.dtype != Dtype::F8_E4M3 {
-            return w.to_f32();
-        }
         let scale_name = format!("{name}_scale_inv");
         let fail = |expected: String, actual: String| Error::Fp8Scale {
             file: w.file.into(),
@@ -358,6 +374,27 @@ impl Checkpoint {
                 format!("{:?}", s.shape),
             ));
         }
+        if !s.dtype.is_float() {
+            return Err(fail(
+                "a floating-point scale".into(),
+                format!("dtype {}", s.dtype.name()),
+            ));
+        }
+        Ok((s, [n, k]))
+    }
+
+    /// The tensor as `f32`. An `F8_E4M3` tensor `X` must have a sibling
+    /// `X_scale_inv` (e.g. `X.weight_scale_inv`) of shape
+    /// `[ceil(N/128), ceil(K/128)]` for its `[N, K]` shape; the result is
+    /// `W[n, k] = fp8[n, k] · scale_inv[n / 128, k / 128]`, row-major.
+    /// Other float dtypes are converted as [`TensorView::to_f32`] does.
+    pub fn dequantized_f32(&self, name: &str) -> Result<Vec<f32>> {
+        let w = self.tensor(name)?;
+        if w.dtype != Dtype::F8_E4M3 {
+            return w.to_f32();
+        }
+        let (s, [n, k]) = self.fp8_scale(name)?;
+        let expected = [n.div_ceil(FP8_BLOCK), k.div_ceil(FP8_BLOCK)];
         let scales = s.to_f32()?;
         let kb = expected[1];
         let mut out = vec![0.0f32; w.numel()];

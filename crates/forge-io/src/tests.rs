@@ -164,3 +164,82 @@ fn types_are_thread_safe() {
     is::<ShardWriter>();
     is::<Error>();
 }
+
+mod header_props {
+    //! The header parser never panics: random bytes and random mutations of a
+    //! valid file are `Err` or a header whose ranges lie inside the buffer.
+    use proptest::prelude::*;
+    use std::path::Path;
+
+    fn valid() -> Vec<u8> {
+        let header = br#"{"__metadata__":{"format":"pt"},"a":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]},"b":{"dtype":"F8_E4M3","shape":[5],"data_offsets":[12,17]},"c":{"dtype":"F32","shape":[1],"data_offsets":[20,24]}}"#;
+        let mut h = header.to_vec();
+        h.resize(h.len().next_multiple_of(8), b' ');
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&h);
+        out.extend(0..24u8);
+        out
+    }
+
+    fn check(buf: &[u8]) {
+        if let Ok(h) = crate::header::parse(Path::new("model.safetensors"), buf) {
+            for e in &h.entries {
+                assert!(e.range.end <= buf.len() && e.range.start <= e.range.end);
+                let numel: usize = e.shape.iter().product();
+                assert_eq!(e.range.len(), numel * e.dtype.size());
+            }
+        }
+    }
+
+    #[test]
+    fn the_reference_header_parses() {
+        let h = crate::header::parse(Path::new("m"), &valid()).unwrap();
+        assert_eq!(h.entries.len(), 3);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn random_bytes_never_panic(buf in proptest::collection::vec(any::<u8>(), 0..300)) {
+            check(&buf);
+        }
+
+        #[test]
+        fn random_length_prefix_never_panics(len in any::<u64>(), tail in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let mut buf = len.to_le_bytes().to_vec();
+            buf.extend(tail);
+            check(&buf);
+        }
+
+        #[test]
+        fn mutated_valid_headers_never_panic(
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            cut in any::<prop::sample::Index>(),
+            truncate in any::<bool>(),
+        ) {
+            let mut buf = valid();
+            for (at, b) in edits {
+                let i = at.index(buf.len());
+                buf[i] = b;
+            }
+            if truncate {
+                buf.truncate(cut.index(buf.len() + 1));
+            }
+            check(&buf);
+        }
+
+        #[test]
+        fn digit_edits_in_shapes_and_offsets_never_panic(
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), prop_oneof![Just(b'9'), Just(b'0'), Just(b'-'), Just(b'e'), Just(b','), Just(b']')]), 1..4),
+        ) {
+            // Mutations aimed at numbers: overflowing shapes, negative or reversed offsets.
+            let mut buf = valid();
+            let digits: Vec<usize> = (8..buf.len() - 24).filter(|&i| buf[i].is_ascii_digit()).collect();
+            for (at, b) in edits {
+                buf[digits[at.index(digits.len())]] = b;
+            }
+            check(&buf);
+        }
+    }
+}

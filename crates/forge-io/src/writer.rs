@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use serde_json::{json, Value};
 
@@ -227,6 +227,8 @@ struct OpenShard {
     final_path: PathBuf,
     file: File,
     reopened: bool,
+    /// The file already has its final name (renamed by this or an earlier run).
+    published: AtomicBool,
 }
 
 struct Target {
@@ -258,7 +260,7 @@ impl ShardWriter {
         plan: ShardPlan,
         metadata: &BTreeMap<String, String>,
     ) -> Result<Self> {
-        Self::open(out_dir.as_ref(), plan, metadata, false)
+        Self::open(out_dir.as_ref(), plan, metadata, Reuse::No)
     }
 
     /// Like [`ShardWriter::create`], but a `<file>.partial` that already has
@@ -270,14 +272,27 @@ impl ShardWriter {
         plan: ShardPlan,
         metadata: &BTreeMap<String, String>,
     ) -> Result<Self> {
-        Self::open(out_dir.as_ref(), plan, metadata, true)
+        Self::open(out_dir.as_ref(), plan, metadata, Reuse::Partial)
+    }
+
+    /// Like [`ShardWriter::create_or_reopen`], for an output whose publication
+    /// ([`ShardWriter::publish_shard`]) had begun: a shard without its
+    /// `.partial` that already sits under its final name, with exactly this
+    /// plan's header bytes and length, is reopened in place (a rename is
+    /// atomic and follows an fsync, so a renamed shard is complete).
+    pub fn reopen_publishing(
+        out_dir: impl AsRef<Path>,
+        plan: ShardPlan,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<Self> {
+        Self::open(out_dir.as_ref(), plan, metadata, Reuse::PartialOrFinal)
     }
 
     fn open(
         dir: &Path,
         plan: ShardPlan,
         metadata: &BTreeMap<String, String>,
-        reuse: bool,
+        reuse: Reuse,
     ) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir, None))?;
         let mut shards = Vec::with_capacity(plan.shards.len());
@@ -294,10 +309,20 @@ impl ShardWriter {
             let total = data_start
                 .checked_add(planned.data_len)
                 .ok_or_else(overflow)?;
-            let existing = if reuse {
-                reopen_if_identical(&partial, &header, total)?
-            } else {
-                None
+            let final_path = dir.join(&planned.file_name);
+            let mut published = false;
+            let existing = match reuse {
+                Reuse::No => None,
+                Reuse::Partial => reopen_if_identical(&partial, &header, total)?,
+                Reuse::PartialOrFinal => match reopen_if_identical(&partial, &header, total)? {
+                    Some(f) => Some(f),
+                    None if !partial.exists() => {
+                        let f = reopen_if_identical(&final_path, &header, total)?;
+                        published = f.is_some();
+                        f
+                    }
+                    None => None,
+                },
             };
             let reopened = existing.is_some();
             let file = match existing {
@@ -329,12 +354,12 @@ impl ShardWriter {
                     len: t.len,
                 });
             }
-            let final_path = dir.join(&planned.file_name);
             shards.push(OpenShard {
                 partial,
                 final_path,
                 file,
                 reopened,
+                published: AtomicBool::new(published),
             });
         }
         let states = targets.iter().map(|_| AtomicU8::new(PENDING)).collect();
@@ -448,36 +473,114 @@ impl ShardWriter {
             .collect()
     }
 
-    /// Checks that every tensor was written, fsyncs and renames each
-    /// `.partial` into place, writes the index (temp file + rename) and
-    /// fsyncs the directory. On error no further shard is renamed.
-    pub fn finish(self) -> Result<()> {
+    /// Checks that every tensor was written.
+    pub fn check_complete(&self) -> Result<()> {
         let missing = self.missing();
-        if !missing.is_empty() {
-            return Err(Error::Unwritten {
-                dir: self.dir.clone(),
-                missing: missing
-                    .into_iter()
-                    .map(|(t, f)| (t.to_owned(), f.to_owned()))
-                    .collect(),
-            });
+        if missing.is_empty() {
+            return Ok(());
         }
-        // No index while shards are being renamed: a crash here leaves a
-        // directory that fails to open instead of a stale index over new shards.
+        Err(Error::Unwritten {
+            dir: self.dir.clone(),
+            missing: missing
+                .into_iter()
+                .map(|(t, f)| (t.to_owned(), f.to_owned()))
+                .collect(),
+        })
+    }
+
+    /// Removes an index left by an earlier output: no index may exist while
+    /// shards are being renamed, so a crash leaves a directory that fails to
+    /// open instead of a stale index over new shards.
+    pub fn remove_stale_index(&self) -> Result<()> {
         let index = self.dir.join(INDEX_FILE);
         match std::fs::remove_file(&index) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(Error::io("remove stale", &index, None)(e));
+                Err(Error::io("remove stale", &index, None)(e))
             }
-            _ => {}
+            _ => Ok(()),
         }
-        for s in &self.shards {
+    }
+
+    /// Fsyncs shard `i` (plan order), renames its `.partial` into place and
+    /// fsyncs the directory; a shard already in place is only fsynced.
+    /// Returns its file name. Every tensor must have been written
+    /// ([`ShardWriter::check_complete`]).
+    pub fn publish_shard(&self, i: usize) -> Result<&str> {
+        self.check_complete()?;
+        let (Some(s), Some(p)) = (self.shards.get(i), self.plan.shards.get(i)) else {
+            return Err(Error::InvalidPlan {
+                tensor: String::new(),
+                reason: format!("no shard {i} (the plan has {})", self.shards.len()),
+            });
+        };
+        if s.published.load(Ordering::Acquire) {
             s.file
                 .sync_all()
-                .map_err(Error::io("fsync", &s.partial, None))?;
-            std::fs::rename(&s.partial, &s.final_path)
-                .map_err(Error::io("rename", &s.partial, None))?;
+                .map_err(Error::io("fsync", &s.final_path, None))?;
+            return Ok(&p.file_name);
         }
+        s.file
+            .sync_all()
+            .map_err(Error::io("fsync", &s.partial, None))?;
+        std::fs::rename(&s.partial, &s.final_path)
+            .map_err(Error::io("rename", &s.partial, None))?;
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(Error::io("fsync directory", &self.dir, None))?;
+        s.published.store(true, Ordering::Release);
+        Ok(&p.file_name)
+    }
+
+    /// Fsyncs the data of the shard `file_name` (a planned file name), under
+    /// whichever name it has now.
+    pub fn sync(&self, file_name: &str) -> Result<()> {
+        let Some((_, s)) = self
+            .plan
+            .shards
+            .iter()
+            .zip(&self.shards)
+            .find(|(p, _)| p.file_name == file_name)
+        else {
+            return Err(Error::InvalidPlan {
+                tensor: String::new(),
+                reason: format!("{file_name} is not a planned shard"),
+            });
+        };
+        let path = if s.published.load(Ordering::Acquire) {
+            &s.final_path
+        } else {
+            &s.partial
+        };
+        s.file.sync_data().map_err(Error::io("fsync", path, None))
+    }
+
+    /// File names of the shards already under their final name.
+    pub fn published_files(&self) -> Vec<&str> {
+        self.plan
+            .shards
+            .iter()
+            .zip(&self.shards)
+            .filter(|(_, s)| s.published.load(Ordering::Acquire))
+            .map(|(p, _)| p.file_name.as_str())
+            .collect()
+    }
+
+    /// Writes the index (temp file + rename) and fsyncs the directory. Every
+    /// shard must have been published.
+    pub fn write_index(self) -> Result<()> {
+        if let Some((p, _)) = self
+            .plan
+            .shards
+            .iter()
+            .zip(&self.shards)
+            .find(|(_, s)| !s.published.load(Ordering::Acquire))
+        {
+            return Err(Error::InvalidPlan {
+                tensor: String::new(),
+                reason: format!("{} is not in place yet; no index written", p.file_name),
+            });
+        }
+        let index = self.dir.join(INDEX_FILE);
         let tmp = self.dir.join(format!("{INDEX_FILE}{PARTIAL_SUFFIX}"));
         let f = File::create(&tmp).map_err(Error::io("create", &tmp, None))?;
         f.write_all_at(self.plan.index_json().as_bytes(), 0)
@@ -488,6 +591,25 @@ impl ShardWriter {
             .and_then(|d| d.sync_all())
             .map_err(Error::io("fsync directory", &self.dir, None))
     }
+
+    /// Checks that every tensor was written, fsyncs and renames each
+    /// `.partial` into place, writes the index (temp file + rename) and
+    /// fsyncs the directory. On error no further shard is renamed.
+    pub fn finish(self) -> Result<()> {
+        self.check_complete()?;
+        self.remove_stale_index()?;
+        for i in 0..self.shards.len() {
+            self.publish_shard(i)?;
+        }
+        self.write_index()
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Reuse {
+    No,
+    Partial,
+    PartialOrFinal,
 }
 
 /// Opens `partial` for writing if it exists with exactly `header` at its start

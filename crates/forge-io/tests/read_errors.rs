@@ -312,6 +312,44 @@ fn directory_without_a_checkpoint() {
 }
 
 #[test]
+fn pickle_only_folder_is_refused_with_a_conversion_recipe() {
+    let dir = tempfile::tempdir().unwrap();
+    // Not a valid pickle: any attempt to read it would fail differently.
+    put(
+        dir.path(),
+        "pytorch_model-00001-of-00002.bin",
+        b"\x80\x04garbage",
+    );
+    put(
+        dir.path(),
+        "pytorch_model-00002-of-00002.bin",
+        b"\x80\x04garbage",
+    );
+    put(dir.path(), "pytorch_model.bin.index.json", b"{}");
+    let (err, msg) = open_dir_err(&dir);
+    assert!(matches!(err, Error::NoCheckpoint { .. }), "{msg}");
+    assert!(
+        msg.contains("pytorch_model-00001-of-00002.bin")
+            && msg.contains("save_pretrained(")
+            && msg.contains("safe_serialization=True"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn safetensors_are_preferred_over_pickles() {
+    let dir = tempfile::tempdir().unwrap();
+    put(dir.path(), "pytorch_model.bin", b"\x80\x04garbage");
+    put(
+        dir.path(),
+        "model.safetensors",
+        &shard(&[("a", "F32", &[1], &f32_bytes(&[1.5]))]),
+    );
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    assert_eq!(ck.tensor("a").unwrap().to_f32().unwrap(), vec![1.5]);
+}
+
+#[test]
 fn lookup_and_conversion_errors() {
     let bytes = shard(&[("ids", "I32", &[2], &[0; 8])]);
     let (_dir, ck) = open_bytes(&bytes);

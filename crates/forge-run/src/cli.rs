@@ -190,6 +190,12 @@ enum Command {
 /// or KiB/MiB/GiB/TiB (powers of 1024), as Hugging Face's `max_shard_size`.
 pub fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
+    if t.starts_with('-') {
+        return Err(Error::options(
+            "max_shard_size",
+            format!("{s:?} is negative; give a positive size such as 5GB, 500MB or 2GiB"),
+        ));
+    }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());

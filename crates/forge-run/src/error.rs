@@ -105,6 +105,15 @@ pub enum Error {
         /// Units finished by this invocation before stopping.
         units: usize,
     },
+    /// The test hook `FORGE_TEST_ABORT_AFTER_RENAMES` stopped the publication.
+    #[error(
+        "aborted by {} after renaming {renamed} shard(s) (test hook)",
+        crate::run::ABORT_RENAMES_ENV
+    )]
+    TestAbortFinish {
+        /// Shards renamed into place by this invocation.
+        renamed: usize,
+    },
     /// The caller asked the run to stop (Ctrl-C from Python).
     #[error("interrupted; rerun with --resume to continue")]
     Interrupted,

@@ -227,12 +227,21 @@ impl Options {
                 format!("unknown option; known options: {}", known.join(", ")),
             ));
         }
-        // Drop explicit nulls of options that are not optional, so they take defaults.
+        // An explicit null is a value only for optional options; elsewhere it is
+        // a mistake (e.g. `group_size=None`), named rather than silently defaulted.
+        let defaults = Options::default().to_json();
         let mut clean = Map::new();
         for (k, x) in obj {
-            if !x.is_null() || Self::optional_keys().contains(&k.as_str()) {
-                clean.insert(k.clone(), x.clone());
+            if x.is_null() && !Self::optional_keys().contains(&k.as_str()) {
+                let d = defaults
+                    .get(k)
+                    .map_or_else(String::new, |d| format!(" ({d})"));
+                return Err(Error::options(
+                    k,
+                    format!("None/null is not a value of {k}; leave it out for the default{d}"),
+                ));
             }
+            clean.insert(k.clone(), x.clone());
         }
         // One key at a time first, so a wrong type names its option.
         for (k, x) in &clean {
@@ -451,10 +460,30 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("group_size"), "{e}");
-        let e = Options::from_json(&json!({"max_shard_size": -5}))
+        for bad in [
+            json!(-5),
+            json!("-5"),
+            json!("-5GB"),
+            json!(1.5),
+            json!([1]),
+        ] {
+            let e = Options::from_json(&json!({ "max_shard_size": bad }))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("max_shard_size") && !e.contains("unit"),
+                "{bad}: {e}"
+            );
+        }
+        let e = Options::from_json(&json!({"group_size": null}))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("max_shard_size"), "{e}");
+        assert!(e.contains("group_size") && e.contains("default"), "{e}");
+        let e = Options::from_json(&json!({"threads": "x"}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("threads"), "{e}");
+        assert!(Options::from_json(&json!({"threads": null, "calib": null})).is_ok());
     }
 
     #[test]

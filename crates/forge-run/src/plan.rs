@@ -215,6 +215,10 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
             format!("the source is already quantized (it holds {t:?}); start from a bf16 or FP8 checkpoint"),
         ));
     }
+    // FP8 weights need a well-formed block scale: checked here, before any byte is written.
+    for t in ckpt.iter().filter(|t| t.dtype == Dtype::F8_E4M3) {
+        ckpt.fp8_scale(t.name)?;
+    }
     let arch = Architecture::detect(config);
     let n_layers = num_hidden_layers(config);
     let mut notes = Vec::new();
@@ -273,12 +277,23 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
                 want.insert(module, selected);
             }
         }
-        // 2. Shapes that cannot be packed.
+        // 2. Dtypes and shapes that cannot be quantized.
         for (module, sel) in want.iter_mut() {
             if !*sel {
                 continue;
             }
             let t = ckpt.tensor(&format!("{module}.weight"))?;
+            if !t.dtype.is_float() {
+                let leaf = module.rsplit('.').next().unwrap_or(module);
+                return Err(Error::config(
+                    t.file,
+                    format!(
+                        "tensor {:?} has dtype {}: only floating-point linears can be quantized; leave it unquantized with --exclude {leaf}",
+                        t.name,
+                        t.dtype.name()
+                    ),
+                ));
+            }
             let (n, k) = (t.shape[0], t.shape[1]);
             if let Err(e) = check_pack_shape(k, n, &spec) {
                 let leaf = module.rsplit('.').next().unwrap_or(module);

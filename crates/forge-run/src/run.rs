@@ -28,6 +28,11 @@ use crate::{Error, Result};
 pub const MANIFEST_FILE: &str = "forge-manifest.json";
 /// Test hook: stop with an error after this many units of one invocation.
 pub const ABORT_ENV: &str = "FORGE_TEST_ABORT_AFTER_LAYERS";
+/// Test hook: while publishing, stop with an error after this many shards
+/// were renamed into place (the output stays resumable).
+pub const ABORT_RENAMES_ENV: &str = "FORGE_TEST_ABORT_AFTER_RENAMES";
+/// Set to `0` to skip the free disk space check before a run.
+pub const DISK_CHECK_ENV: &str = "FORGE_DISK_CHECK";
 /// Test hook: sleep this many milliseconds after each unit (to kill a run mid-way).
 pub const SLOW_ENV: &str = "FORGE_TEST_UNIT_DELAY_MS";
 
@@ -223,6 +228,8 @@ pub(crate) enum Start {
         lock: OutDirLock,
         done: Vec<String>,
         state: Option<(String, String)>,
+        /// The interrupted run had begun publishing its shards.
+        finishing: bool,
     },
 }
 
@@ -313,19 +320,95 @@ pub(crate) fn prepare_out_dir(
                 s.get("file")?.as_str()?.to_owned(),
             ))
         });
-        return Ok(Start::Resume { lock, done, state });
+        let finishing = m.get("finishing").is_some_and(Value::is_object);
+        return Ok(Start::Resume {
+            lock,
+            done,
+            state,
+            finishing,
+        });
     }
     if !overwrite {
         return Err(err("is not empty; pass --overwrite to replace its files, or --resume to continue an interrupted run"));
     }
+    // Only what forge writes is removed; anything else stops the run.
+    let foreign: Vec<String> = entries
+        .iter()
+        .filter(|p| !is_forge_output(model_dir, p))
+        .map(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            if p.is_dir() {
+                format!("{name}/")
+            } else {
+                name.into_owned()
+            }
+        })
+        .collect();
+    if !foreign.is_empty() {
+        let mut sorted = foreign;
+        sorted.sort();
+        let shown: Vec<&str> = sorted.iter().take(5).map(String::as_str).collect();
+        let more = if sorted.len() > 5 {
+            format!(" and {} more", sorted.len() - 5)
+        } else {
+            String::new()
+        };
+        return Err(err(&format!(
+            "--overwrite removes only files forge writes, and this folder holds {} other(s): {}{more}; move them away or choose another folder",
+            sorted.len(),
+            shown.join(", ")
+        )));
+    }
     for p in entries {
         let meta = std::fs::symlink_metadata(&p).map_err(Error::io("stat", &p))?;
         if meta.is_dir() {
-            continue;
+            std::fs::remove_dir_all(&p).map_err(Error::io("remove", &p))?;
+        } else {
+            std::fs::remove_file(&p).map_err(Error::io("remove", &p))?;
         }
-        std::fs::remove_file(&p).map_err(Error::io("remove", &p))?;
     }
     Ok(Start::Fresh(lock))
+}
+
+/// Whether `path` (an entry of the output folder) is something a forge run
+/// writes: shards, index, config, manifest, `.partial` files, the `forge/`
+/// and `forge-state/` folders, or a side file copied from the model folder.
+fn is_forge_output(model_dir: &Path, path: &Path) -> bool {
+    let Some(name) = path.file_name().and_then(|s| s.to_str()) else {
+        return false;
+    };
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return false;
+    };
+    if meta.is_dir() {
+        return name == crate::session::REPORT_DIR || name == crate::session::STATE_DIR;
+    }
+    if !meta.is_file() {
+        return false;
+    }
+    if is_shard_name(name)
+        || name == INDEX_FILE
+        || name == "config.json"
+        || name == MANIFEST_FILE
+        || name.ends_with(PARTIAL_SUFFIX)
+    {
+        return true;
+    }
+    // A side file copied from the model folder (the same name, copied again by this run).
+    !name.starts_with('.') && !is_weight_file(name) && model_dir.join(name).is_file()
+}
+
+/// `model-<digits>-of-<digits>.safetensors`.
+fn is_shard_name(name: &str) -> bool {
+    let Some(rest) = name
+        .strip_prefix("model-")
+        .and_then(|r| r.strip_suffix(".safetensors"))
+    else {
+        return false;
+    };
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    rest.split_once("-of-")
+        .is_some_and(|(a, b)| digits(a) && digits(b))
 }
 
 fn short(v: Option<&Value>) -> String {
@@ -350,7 +433,7 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::rename(&tmp, path).map_err(Error::io("rename", &tmp))
 }
 
-fn env_usize(name: &str) -> Option<usize> {
+pub(crate) fn env_usize(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
 }
 

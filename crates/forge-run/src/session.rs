@@ -36,8 +36,8 @@ use crate::lock::OutDirLock;
 use crate::options::{Method, Options};
 use crate::plan::{self, Action, RunPlan, Unit};
 use crate::run::{
-    copy_side_files, fnv, prepare_out_dir, source_fingerprint, write_atomic, Start, FNV0,
-    MANIFEST_FILE,
+    copy_side_files, env_usize, fnv, prepare_out_dir, source_fingerprint, write_atomic, Start,
+    ABORT_RENAMES_ENV, DISK_CHECK_ENV, FNV0, MANIFEST_FILE,
 };
 use crate::{Error, Result, RunReport};
 
@@ -60,6 +60,8 @@ pub struct Session {
     manifest_base: Value,
     done: BTreeSet<String>,
     state: Option<(String, String)>,
+    /// Publication has begun: the shards already renamed into place.
+    finishing: Option<BTreeSet<String>>,
     file_of: HashMap<String, String>,
     /// Module → (unit, index into its linears).
     linear_of: HashMap<String, (usize, usize)>,
@@ -136,18 +138,31 @@ impl Session {
             opts.overwrite,
             &manifest_base,
         )?;
-        let (lock, writer, mut done, state) = match start {
+        check_free_space(out_dir, &shard_plan)?;
+        let (lock, writer, mut done, state, finishing) = match start {
             Start::Fresh(lock) => (
                 lock,
                 ShardWriter::create(out_dir, shard_plan, &Default::default())?,
                 BTreeSet::new(),
                 None,
+                false,
             ),
-            Start::Resume { lock, done, state } => (
+            Start::Resume {
                 lock,
-                ShardWriter::create_or_reopen(out_dir, shard_plan, &Default::default())?,
+                done,
+                state,
+                finishing,
+            } => (
+                lock,
+                if finishing {
+                    // Shards renamed by the interrupted publication are taken as written.
+                    ShardWriter::reopen_publishing(out_dir, shard_plan, &Default::default())?
+                } else {
+                    ShardWriter::create_or_reopen(out_dir, shard_plan, &Default::default())?
+                },
                 done.into_iter().collect(),
                 state,
+                finishing,
             ),
         };
         let file_of: HashMap<String, String> = writer
@@ -225,6 +240,13 @@ impl Session {
                     .map(move |(li, l)| (l.module.clone(), (ui, li)))
             })
             .collect();
+        let finishing = finishing.then(|| {
+            writer
+                .published_files()
+                .into_iter()
+                .map(str::to_owned)
+                .collect()
+        });
         let s = Session {
             ckpt: Arc::new(ckpt),
             linear_of,
@@ -238,6 +260,7 @@ impl Session {
             manifest_base,
             done,
             state,
+            finishing,
             file_of,
             resumed,
             resumed_bytes,
@@ -255,6 +278,9 @@ impl Session {
             Some((unit, file)) => json!({"unit": unit, "file": file}),
             None => Value::Null,
         };
+        if let Some(renamed) = &self.finishing {
+            m["finishing"] = json!({ "renamed": renamed });
+        }
         let text = serde_json::to_string_pretty(&m).unwrap_or_default() + "\n";
         write_atomic(&self.out_dir.join(MANIFEST_FILE), text.as_bytes())
     }
@@ -429,10 +455,7 @@ impl Session {
             .filter_map(|o| self.file_of.get(o.as_str()).map(String::as_str))
             .collect();
         for f in files {
-            let p = self.out_dir.join(format!("{f}{PARTIAL_SUFFIX}"));
-            File::open(&p)
-                .and_then(|h| h.sync_data())
-                .map_err(Error::io("fsync", &p))?;
+            self.writer.sync(f)?;
         }
         let previous = self.state.take();
         if let Some(p) = state {
@@ -462,13 +485,19 @@ impl Session {
     /// Publishes the run: shards renamed into place, the index, side files,
     /// `extra` files of the caller (reports, router statistics), and
     /// `config.json` last. Every unit must be committed.
-    pub fn finish(self, extra: &[(String, Vec<u8>)]) -> Result<RunReport> {
+    ///
+    /// Every stage is resumable: the manifest records that publication began
+    /// and which shards are in place, so `--resume` after a crash anywhere in
+    /// here accepts the renamed shards (header and size checked against the
+    /// plan) and completes the rest. The manifest is removed last.
+    pub fn finish(mut self, extra: &[(String, Vec<u8>)]) -> Result<RunReport> {
         if let Some(u) = self.plan.units.iter().find(|u| !self.done.contains(&u.key)) {
             return Err(Error::Quantizer {
                 quantizer: self.opts.quantizer_name(),
                 reason: format!("{} was never committed; the run is not finished", u.label),
             });
         }
+        self.publish_shards()?;
         let Session {
             ckpt: _,
             config,
@@ -485,7 +514,7 @@ impl Session {
         } = self;
         let n_shards = writer.plan().shards().len();
         let bytes_out = writer.plan().total_bytes();
-        writer.finish()?;
+        writer.write_index()?;
         copy_side_files(&model_dir, &out_dir, &mut notes)?;
         for (name, bytes) in extra {
             // A plain name, or one inside the report folder `forge/`.
@@ -552,4 +581,96 @@ impl Session {
             notes,
         })
     }
+}
+
+impl Session {
+    /// Renames every shard into place, recording each in the manifest.
+    fn publish_shards(&mut self) -> Result<()> {
+        self.writer.check_complete()?;
+        if self.finishing.is_none() {
+            self.finishing = Some(BTreeSet::new());
+        }
+        self.save_manifest()?;
+        self.writer.remove_stale_index()?;
+        let abort_after = env_usize(ABORT_RENAMES_ENV);
+        let n = self.writer.plan().shards().len();
+        let mut renamed = 0usize;
+        for i in 0..n {
+            let name = self.writer.publish_shard(i)?.to_owned();
+            let fresh = self.finishing.as_mut().is_some_and(|r| r.insert(name));
+            if fresh {
+                self.save_manifest()?;
+                renamed += 1;
+                if abort_after.is_some_and(|a| renamed >= a) && i + 1 < n {
+                    return Err(Error::TestAbortFinish { renamed });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes the shards still need on disk: their planned size less what their
+/// files (`.partial` or in place) already occupy.
+fn bytes_needed(out_dir: &Path, plan: &ShardPlan) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    plan.shards()
+        .iter()
+        .map(|s| {
+            // The header is at most MAX_HEADER_BYTES; count it generously.
+            let want = s.data_len + 8 + (s.tensors.len() as u64) * 160;
+            let have = [
+                out_dir.join(format!("{}{PARTIAL_SUFFIX}", s.file_name)),
+                out_dir.join(&s.file_name),
+            ]
+            .iter()
+            .filter_map(|p| std::fs::metadata(p).ok())
+            .map(|m| m.blocks() * 512)
+            .max()
+            .unwrap_or(0);
+            want.saturating_sub(have)
+        })
+        .sum()
+}
+
+/// Refuses to start when the output file system has less free space than
+/// the shards still need (unless [`DISK_CHECK_ENV`] is `0`).
+fn check_free_space(out_dir: &Path, plan: &ShardPlan) -> Result<()> {
+    if std::env::var(DISK_CHECK_ENV).is_ok_and(|v| v.trim() == "0") {
+        return Ok(());
+    }
+    let needed = bytes_needed(out_dir, plan);
+    let available = free_bytes(out_dir)?;
+    if needed > available {
+        return Err(Error::OutDir {
+            dir: out_dir.into(),
+            reason: format!(
+                "not enough free space: the output needs {needed} bytes ({:.2} GB) more, the file system has {available} bytes ({:.2} GB) available; free some space or choose another folder (set {DISK_CHECK_ENV}=0 to skip this check)",
+                needed as f64 / 1e9,
+                available as f64 / 1e9
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Bytes available to an unprivileged user on the file system of `dir`.
+fn free_bytes(dir: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(|_| Error::OutDir {
+        dir: dir.into(),
+        reason: "the path holds a NUL byte".into(),
+    })?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `c` is a valid C string and `st` points to writable memory of the right type.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(Error::io("statvfs", dir)(std::io::Error::last_os_error()));
+    }
+    // SAFETY: statvfs returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    // The field types differ between platforms (u64 on Linux x86-64).
+    #[allow(clippy::unnecessary_cast)]
+    let (avail, frsize) = (st.f_bavail as u64, st.f_frsize as u64);
+    Ok(avail.saturating_mul(frsize))
 }
