@@ -221,26 +221,17 @@ def main() -> int:
         for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
             print(f"{'':14s}{k:32s} {v:9.2f}")
         print(f"peak GPU memory {peak:.1f} GiB")
-    # Projection: each phase as intercept + slope x tokens, from the last two runs (else the
-    # token-proportional phases scale linearly from one run).
+    # Projection from the largest (warm) run: phases that scale with the calibration tokens
+    # (forward, Hessians, expert gather + forward) proportionally, the solves and I/O as they are
+    # (they depend on the weights only). Proportional scaling of a short run is an upper bound:
+    # per-launch overheads do not grow with the tokens.
     full = 512 * 4096
-    proj_phases = {}
-    if len(runs) >= 2:
-        (r1, r2) = runs[-2:]
-        for k in r2["phases"]:
-            if k == "total":
-                continue
-            a1, a2 = r1["phases"].get(k, 0.0), r2["phases"][k]
-            slope = max(0.0, (a2 - a1) / (r2["tokens"] - r1["tokens"]))
-            proj_phases[k] = max(0.0, a2 - slope * r2["tokens"]) + slope * full
-        how = f"per phase a + b*tokens fitted on {r1['tokens']} and {r2['tokens']} tokens"
-    else:
-        r2 = runs[-1]
-        ratio = full / r2["tokens"]
-        for k, v in r2["phases"].items():
-            if k != "total":
-                proj_phases[k] = v * (ratio if k in TOKEN_PHASES else 1.0)
-        how = "token-proportional phases (forward, Hessians, expert gather) scaled by the token ratio"
+    r2 = max(runs, key=lambda r: r["tokens"])
+    ratio = full / r2["tokens"]
+    proj_phases = {
+        k: v * (ratio if k in TOKEN_PHASES else 1.0) for k, v in r2["phases"].items() if k != "total"
+    }
+    how = f"from the {r2['tokens']}-token run: token phases x{ratio:.0f}, solves and I/O unchanged"
     per_layer = sum(proj_phases.values())
     proj = {
         "row": "projection: DeepSeek-V3 (58 MoE + 3 dense layers), 512 x 4096 tokens",
