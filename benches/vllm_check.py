@@ -232,8 +232,12 @@ def _run(model: Path, args, tmp: Path, tag: str, plugin_site: Path | None) -> di
         rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
     text = log.read_text(errors="replace")
     if rc != 0 or not out.exists():
-        errs = [line for line in text.splitlines() if "Error" in line or "error" in line]
-        return {"ok": False, "rc": rc, "error": (errs[-1] if errs else text[-2000:]).strip(), "log": str(log)}
+        lines = text.splitlines()
+        # the root cause (e.g. a loader's KeyError), not the engine's "initialization failed" wrapper
+        root = [x for x in lines if "Error:" in x and "Engine core initialization failed" not in x]
+        errs = root or [x for x in lines if "Error" in x or "error" in x]
+        err = errs[0].split("] ", 1)[-1] if root else (errs[-1] if errs else text[-2000:])
+        return {"ok": False, "rc": rc, "error": err.strip(), "log": str(log)}
     import torch
 
     res = {"ok": True, "result": torch.load(out)}

@@ -5,7 +5,8 @@
 writes OUT/<family>/src (bf16, tests/tiny_models.make_model) and OUT/<family>/awq
 (forge.quantize_model, group size 32). Dimensions are tiny_models' with what vLLM's CPU paths
 need: hidden 128 (vLLM's AWQ MoE method requires hidden % 128 == 0, else it routes to MoeWNA16),
-and for DeepSeek-V3 kv_lora_rank 512 + qk_rope_head_dim 64 (vLLM CPU's MLA backend).
+and for DeepSeek-V3 kv_lora_rank 512 + qk_rope_head_dim 64 (vLLM CPU's MLA backend) and the
+released config's ``topk_method: noaux_tc`` / ``scoring_func: sigmoid``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def _vllm_dims(kind: str):
                 v_head_dim=64,
                 qk_head_dim=128,
                 head_dim=64,
+                # the released DeepSeek-V3 config.json carries these; transformers' config class does
+                # not, and without them vLLM builds softmax routing with no e_score_correction_bias
+                # (KeyError on load)
+                topk_method="noaux_tc",
+                scoring_func="sigmoid",
             )
         d = c.to_dict()
         d.update(over)
