@@ -18,7 +18,8 @@ layer is dequantized with vLLM's code and handed to vLLM's unquantized CPU path.
 
 Not the product's plugin: a test tool. Registered by vllm_check.py through a throw-away
 ``*.dist-info/entry_points.txt`` (group ``vllm.general_plugins``) on PYTHONPATH; vLLM loads it in
-every process, so ``register`` is idempotent.
+every process, so ``register`` is idempotent. With $FORGE_VLLM_CHECK_DUMP it also saves the float
+weights vLLM hands to its unquantized path (both runs), for a per-tensor comparison.
 """
 
 from __future__ import annotations
@@ -87,11 +88,51 @@ def _dequant_moe(layer) -> None:
     _mark("moe")
 
 
+def _dump_hooks(folder: str) -> None:
+    """Saves every linear's / MoE layer's float weights as vLLM hands them to its unquantized path
+    (after loading, merging and, in the forged run, this plugin's dequantization), one file per
+    layer: the driver compares them tensor by tensor, independent of forward-pass determinism."""
+    import os
+
+    import torch
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    os.makedirs(folder, exist_ok=True)
+
+    def save(name, tensors):
+        path = os.path.join(folder, f"{name or 'unnamed'}.{os.getpid()}.pt")
+        torch.save({k: v.detach().cpu().clone() for k, v in tensors.items()}, path)
+
+    lin = UnquantizedLinearMethod.process_weights_after_loading
+    moe = UnquantizedFusedMoEMethod.process_weights_after_loading
+
+    def lin_hook(self, layer):
+        if getattr(layer, "weight", None) is not None:
+            save(getattr(layer, "prefix", ""), {"weight": layer.weight})
+        return lin(self, layer)
+
+    def moe_hook(self, layer):
+        save(getattr(layer, "layer_name", ""), {"w13_weight": layer.w13_weight, "w2_weight": layer.w2_weight})
+        return moe(self, layer)
+
+    UnquantizedLinearMethod.process_weights_after_loading = lin_hook
+    UnquantizedFusedMoEMethod.process_weights_after_loading = moe_hook
+
+
 def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
     _REGISTERED = True
+    import os
+
+    if os.environ.get("FORGE_VLLM_CHECK_DUMP"):
+        _dump_hooks(os.environ["FORGE_VLLM_CHECK_DUMP"])
+    if os.environ.get("FORGE_VLLM_CHECK_DEQUANT", "1") == "0":
+        return
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
     from vllm.model_executor.layers.quantization import auto_awq
     from vllm.scalar_type import scalar_types
