@@ -27,6 +27,20 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _graphed(forward):
+    """``forward`` compiled with CUDA graphs; each call starts a new graph step and the logits
+    are copied out, so generate's next step may overwrite the graph's buffers."""
+    compiled = torch.compile(forward, mode="reduce-overhead")
+
+    def step(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(*args, **kwargs)
+        out.logits = out.logits.clone()
+        return out
+
+    return step
+
+
 @torch.no_grad()
 def decode_rate(model, batch: int, new_tokens: int, device: str, vocab: int) -> float:
     ids = torch.randint(0, vocab, (batch, 16), generator=torch.Generator().manual_seed(0)).to(device)
@@ -64,7 +78,7 @@ def main() -> None:
     for name, load in loaders.items():
         model = load().eval()
         if args.device.startswith("cuda"):
-            model.forward = torch.compile(model.forward, mode="reduce-overhead")
+            model.forward = _graphed(model.forward)
         vocab = model.config.get_text_config().vocab_size
         for batch in args.batch:
             rate = decode_rate(model, batch, args.new_tokens, args.device, vocab)
