@@ -65,6 +65,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument(
+        "--no-graphs", dest="graphs", action="store_false", help="eager (no torch.compile / CUDA graphs)"
+    )
     p.add_argument("--json", default="bench_runtime.json")
     args = p.parse_args()
     from forge.evaluate import load_reference
@@ -77,7 +80,7 @@ def main() -> None:
     }
     for name, load in loaders.items():
         model = load().eval()
-        if args.device.startswith("cuda"):
+        if args.device.startswith("cuda") and args.graphs:
             model.forward = _graphed(model.forward)
         vocab = model.config.get_text_config().vocab_size
         for batch in args.batch:

@@ -16,5 +16,5 @@ torch.manual_seed(0)
 AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[1] + "/bf16")
 PY
 python3 -c "import forge, sys; forge.quantize_model(sys.argv[1] + '/bf16', sys.argv[1] + '/awq', group_size=128, device='cuda', progress=False)" "$work"
-python3 benches/bench_runtime.py "$work/awq" "$work/bf16" --device cuda --batch 1 16 --json "$OUT/bench_runtime.json"
+python3 benches/bench_runtime.py "$work/awq" "$work/bf16" --device cuda --batch 1 16 --json "$OUT/bench_runtime.json" "$@"
 rm -rf "$work"
