@@ -221,7 +221,7 @@ impl Options {
             .as_object()
             .ok_or_else(|| Error::options("options", "expected an object of option: value"))?;
         let known = Self::keys();
-        if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+        if let Some(k) = obj.keys().find(|k| !known.contains(k)) {
             return Err(Error::options(
                 k,
                 format!("unknown option; known options: {}", known.join(", ")),
@@ -261,42 +261,12 @@ impl Options {
         serde_json::to_value(self).unwrap_or(Value::Null)
     }
 
-    /// Every option key.
-    pub fn keys() -> Vec<&'static str> {
-        vec![
-            "method",
-            "format",
-            "group_size",
-            "symmetric",
-            "grid",
-            "mse_grid",
-            "mse_shrink",
-            "mse_norm",
-            "include",
-            "exclude",
-            "default_excludes",
-            "skip_unpackable",
-            "max_shard_size",
-            "calib",
-            "nsamples",
-            "seqlen",
-            "seed",
-            "damp",
-            "act_order",
-            "block_size",
-            "true_sequential",
-            "hessian",
-            "few_tokens",
-            "few_tokens_threshold",
-            "chunk_tokens",
-            "resume",
-            "overwrite",
-            "threads",
-            "device",
-            "activations",
-            "offload_dir",
-            "progress",
-        ]
+    /// Every option key (the fields of [`Options`], sorted).
+    pub fn keys() -> Vec<String> {
+        match Options::default().to_json() {
+            Value::Object(m) => m.keys().cloned().collect(),
+            _ => Vec::new(),
+        }
     }
 
     fn optional_keys() -> &'static [&'static str] {
