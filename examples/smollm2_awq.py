@@ -333,10 +333,17 @@ def run(args: argparse.Namespace) -> tuple[list[dict], int]:
         dst = out_root / f"smollm2-135m-instruct-awq-g{args.group_size}-{method}"
         what = f"{method}, 4-bit, group {args.group_size}"
         if method == "gptq":
-            what += f", {args.nsamples} x {args.seqlen} calibration tokens"
+            what += f", act-order, {args.nsamples} x {args.seqlen} calibration tokens"
         t0 = step(3 + j, total_steps, f"quantize ({what}) -> {dst}")
         calibration = (
-            dict(calib=str(calib_file), nsamples=args.nsamples, seqlen=args.seqlen, device=args.device)
+            # act-order (static groups, no g_idx): 15.53 vs 16.69 without it on this model
+            dict(
+                calib=str(calib_file),
+                nsamples=args.nsamples,
+                seqlen=args.seqlen,
+                device=args.device,
+                act_order=True,
+            )
             if method == "gptq"
             else {}
         )
