@@ -32,14 +32,10 @@ _AWQ_PARTS = ("qweight", "qzeros", "scales")
 
 def read_quantization_config(awq_dir: str | os.PathLike) -> dict[str, Any]:
     """The ``quantization_config`` of ``awq_dir/config.json``, checked to be 4-bit AWQ."""
+    from .loading import read_checkpoint_config
+
     path = Path(awq_dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no config.json in the AWQ folder")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read config.json: {exc}") from exc
-    qc = config.get("quantization_config")
+    qc = read_checkpoint_config(awq_dir).get("quantization_config")
     if not isinstance(qc, dict):
         raise CheckpointError(f"{path}: no quantization_config (not a quantized checkpoint)")
     method = str(qc.get("quant_method", "")).lower()
