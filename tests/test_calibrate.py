@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import dequantized_state_dict, make_fp8_variant, make_model
+from tiny_models import dequantized_state_dict, make_fp8_variant, make_model, read_tensors
 
 import forge
 from forge import calibrate, errors
@@ -109,6 +109,7 @@ def test_hessians_equal_xtx_of_the_layers_inputs(monkeypatch, src, ids_file, tmp
             hk.remove()
         for name in (
             "self_attn.q_a_proj",
+            "self_attn.kv_a_proj_with_mqa",
             "self_attn.o_proj",
             "mlp.down_proj" if li == 0 else "mlp.shared_experts.up_proj",
         ):
@@ -132,9 +133,6 @@ def test_written_weights_are_gptq_of_the_tapped_hessian(monkeypatch, src, ids_fi
     out = tmp_path / "o"
     _, tap = _run(monkeypatch, src, out, ids_file)
     deq = dequantized_state_dict(out, G)
-    w = load_file(src / "model.safetensors") if (src / "model.safetensors").exists() else None
-    from tiny_models import read_tensors
-
     w = read_tensors(src)
     for module in ("model.layers.0.self_attn.q_a_proj", "model.layers.1.mlp.shared_experts.down_proj"):
         h, _ = tap.hessians[module]

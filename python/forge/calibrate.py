@@ -860,13 +860,21 @@ def _forward(layer, h: torch.Tensor, rotary) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _input_hook(h: _Hessian, rel: str, seen: dict, needed: int, stop: bool):
-    """A forward pre-hook adding a linear's input to its Hessian; once every linear of the
-    stage has been seen in this forward (and nothing later is needed), the forward stops."""
+def _input_hook(hs: dict, rel: str, seen: dict, aliases: dict, needed: int, stop: bool):
+    """A forward pre-hook adding a linear's input to its Hessian ``hs[rel]``. A linear fed the
+    very tensor another linear of the stage already received in this forward (q_a/kv_a, q/k/v,
+    gate/up) shares that one's Hessian instead of accumulating the same XᵀX again. Once every
+    linear of the stage has been seen (and nothing later is needed), the forward stops."""
 
     def hook(_m, args):
-        h.add(args[0])
-        seen[rel] = 1
+        x = args[0]
+        if rel not in aliases:
+            aliases[rel] = next((o for o, t in seen.items() if t is x), None)
+            if aliases[rel] is not None:
+                hs[rel] = hs[aliases[rel]]
+        if aliases[rel] is None:
+            hs[rel].add(x)
+        seen[rel] = x
         if stop and len(seen) == needed:
             raise _StopForward
 
@@ -910,13 +918,13 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
         collect = "<experts>" in stage
         hs: dict[str, _Hessian] = {}
         handles = []
-        # One Hessian per linear (linears sharing an input, e.g. q_a/kv_a, accumulate the same XᵀX).
-        seen_in: dict[str, int] = {}
+        seen_in: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str | None] = {}
         for rel in lin:
             mod = mods[rel]
             hs[rel] = _Hessian(mod.in_features, ctx.device, hblock)
             handles.append(
-                mod.register_forward_pre_hook(_input_hook(hs[rel], rel, seen_in, len(lin), not collect))
+                mod.register_forward_pre_hook(_input_hook(hs, rel, seen_in, aliases, len(lin), not collect))
             )
         if routed is not None:
             routed.mode = "collect" if collect else "zero"
@@ -943,6 +951,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
                 hd.remove()
             if gate_hook is not None:
                 gate_hook.remove()
+        seen_in.clear()
         # Solve the stage's dense linears; same-input linears (q_a/kv_a, gate/up) are solved
         # separately with their shared Hessian, since GPTQ rows are independent.
         for rel in lin:
