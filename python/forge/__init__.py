@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from . import errors
 from ._native import __version__
-from .api import QuantizeReport, VerifyReport, default_options, inspect, quantize_model, verify
+from .api import QuantizeReport, VerifyReport, default_options, inspect, prune_model, quantize_model, verify
 from .checkpoint import load_dequantized_model, load_dequantized_state_dict
 from .gptq import GPTQ
 from .quant import (
@@ -44,6 +44,7 @@ __all__ = [
     "load_dequantized_model",
     "load_dequantized_state_dict",
     "quantize_model",
+    "prune_model",
     "default_options",
     "verify",
     "GPTQ",

@@ -12,7 +12,15 @@ from typing import Any
 
 from . import _native
 
-__all__ = ["QuantizeReport", "VerifyReport", "default_options", "quantize_model", "inspect", "verify"]
+__all__ = [
+    "QuantizeReport",
+    "VerifyReport",
+    "default_options",
+    "quantize_model",
+    "prune_model",
+    "inspect",
+    "verify",
+]
 
 
 @dataclass(frozen=True)
@@ -101,17 +109,57 @@ def quantize_model(
             options[k] = [options[k]]
         elif options.get(k) is not None:
             options[k] = list(options[k])
-    for k in ("calib", "offload_dir"):
+    for k in ("calib", "offload_dir", "router_stats"):
         if options.get(k) is not None:
             options[k] = os.fspath(options[k])
     opts = _native.validate_options(_json(options))
-    if opts["method"] == "gptq":
-        from .calibrate import quantize_gptq
+    if needs_forward(opts):
+        from .calibrate import run_layerwise
 
-        out = quantize_gptq(model_dir, out_dir, opts)
+        out = run_layerwise(model_dir, out_dir, opts)
     else:
         out = _native.quantize_model(os.fspath(model_dir), os.fspath(out_dir), _json(options))
     return QuantizeReport(**out)
+
+
+def needs_forward(opts: dict[str, Any]) -> bool:
+    """Whether a run needs the layer-by-layer calibration forward (in Python): GPTQ, router
+    statistics, or pruning decided from calibration text rather than a saved statistics file."""
+    pruning = any(opts.get(k) is not None for k in ("keep_experts", "prune_ratio", "keep_mass"))
+    return (
+        opts["method"] == "gptq"
+        or bool(opts.get("stats_only"))
+        or (pruning and opts.get("router_stats") is None)
+    )
+
+
+def prune_model(
+    model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], **options: Any
+) -> QuantizeReport:
+    """Prunes the routed experts a domain does not use, and optionally quantizes the rest.
+
+    Same options as :func:`quantize_model` (and the same as ``forge-rs prune`` flags), but
+    ``method`` defaults to ``"none"`` (a bf16 checkpoint; ``"rtn"`` or ``"gptq"`` quantize the
+    kept experts and the rest of the model in the same run). Pruning options:
+
+    * ``keep_experts`` (routed experts kept per MoE layer) or ``prune_ratio`` (fraction pruned);
+      with DeepSeek's group-limited routing the same number is kept from every group.
+    * ``criterion``: ``"reap"`` (default: mean over routed tokens of router weight times the
+      expert output's norm), ``"frequency"`` (routed tokens), ``"mass"`` (router probability
+      mass: sigmoid for DeepSeek, softmax otherwise) or ``"random"`` (seeded; a baseline).
+    * The statistics come from ``calib`` (a layer-by-layer forward over the text, through the
+      already pruned earlier layers) or from ``router_stats`` (a ``router_stats.safetensors``
+      of an earlier run, e.g. ``stats_only=True``). ``sparse_forward`` skips the routed
+      experts in that forward (fast, approximate; not with ``criterion="reap"``).
+    * ``remap``: keep the full router and ship ``expert_map`` for forge's vLLM plugin (per-layer
+      expert counts allowed: ``keep_mass``) instead of the default compact checkpoint, which
+      stock vLLM and transformers load with no plugin.
+
+    The output holds ``forge/expert_map.{pt,json}``, ``forge/pruning.{md,json}`` and
+    ``forge/router_stats.{safetensors,json,png}`` beside the weights.
+    """
+    options.setdefault("method", "none")
+    return quantize_model(model_dir, out_dir, **options)
 
 
 def _json(options: dict[str, Any]) -> str:

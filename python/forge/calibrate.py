@@ -40,7 +40,7 @@ from . import _native
 from .errors import CheckpointError, InvalidValueError
 from .quant import build_quant_grid, quantize_rtn
 
-__all__ = ["quantize_gptq", "load_calibration", "hessian_error"]
+__all__ = ["run_layerwise", "load_calibration", "hessian_error"]
 
 _DTYPES = {
     "BF16": torch.bfloat16,
@@ -514,10 +514,13 @@ class _RoutedExperts(torch.nn.Module):
         self.replay_rows: torch.Tensor | None = None
         self.replay_at = 0
         self.stats: _Stats | None = None
+        self.remap: torch.Tensor | None = None  # remap layout: original id -> compact id or -1
 
     def forward(
         self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.remap is not None:
+            top_k_index, top_k_weights = self.remapped(top_k_index, top_k_weights)
         if self.mode == "collect":
             self.collected.append((x.detach(), top_k_index.detach(), top_k_weights.detach()))
             return torch.zeros_like(x)
@@ -531,6 +534,17 @@ class _RoutedExperts(torch.nn.Module):
             return out
         return self.compute(x, top_k_index, top_k_weights)
 
+    def remapped(self, idx: torch.Tensor, wts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The remap layout's routing (what forge's vLLM plugin computes): ids through the layer's
+        map, pruned picks weighted 0 and the rest rescaled to the token's original weight sum.
+        Pruned picks go to the bucket ``n_experts``, which no expert reads."""
+        from .vllm_plugin import remap_routing
+
+        m = self.remap.to(idx.device)
+        ids, w = remap_routing(idx, wts, m)
+        ids = torch.where(m[idx.long()] >= 0, ids.to(idx.dtype), self.n_experts)
+        return ids, w.to(wts.dtype)
+
     def expert_out(self, e: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g, u, d = self.w[e]
         a = self.act(F.linear(x, g)) * F.linear(x, u)
@@ -540,7 +554,7 @@ class _RoutedExperts(torch.nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.n_experts)[: self.n_experts].tolist()
         k = idx.shape[1]
         start = 0
         for e, c in enumerate(counts):
@@ -623,6 +637,9 @@ class _Ctx:
     stats: dict[int, _Stats]
     progress: bool
     layer_seconds: dict[int, float]
+    pruning: dict | None = None  # the session's pruning plan (layout, criterion, keep per layer)
+    bound: dict[int, list[int]] = field(default_factory=dict)  # layer -> kept original expert ids
+    stats_source: str = "calibration"
 
 
 def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
@@ -639,7 +656,9 @@ def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
     routed = None
     if moe_attr is not None:
         block = getattr(layer, moe_attr)
-        ck = next((c for c in fam.ckpt_block if any(n.startswith(f"{pre}{c}.experts.") for n in names)), None)
+        ck = next(
+            (c for c in fam.ckpt_block if ctx.sess.has_tensor(f"{pre}{c}.experts.0.{fam.gate}.weight")), None
+        )
         if ck is None:
             raise CheckpointError(
                 f"layer {li}: the model has routed experts but the checkpoint stores none as "
@@ -654,7 +673,7 @@ def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
             ws = []
             for leaf in (fam.gate, fam.up, fam.down):
                 nm = f"{pre}{ck}.experts.{e}.{leaf}.weight"
-                if nm not in names:
+                if not ctx.sess.has_tensor(nm):
                     raise CheckpointError(f"layer {li}: missing tensor {nm!r}")
                 ws.append(_load_weight(ctx.sess, nm, ctx.device, ctx.dtype, ctx.block))
             weights[e] = ws
@@ -671,7 +690,7 @@ def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
         cands = [pre + pname]
         if moe_attr == "mlp":
             cands.append(pre + pname.replace("mlp.", "block_sparse_moe.", 1))
-        src = next((c for c in cands if c in names), None)
+        src = next((c for c in cands if c in names or ctx.sess.has_tensor(c)), None)
         if src is None:
             missing.append(pre + pname)
             continue
@@ -702,8 +721,12 @@ def _module_name(unit_prefix: str, linear_module: str) -> str:
     return linear_module[len(unit_prefix) :]
 
 
-def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: dict) -> dict:
-    """Runs the calibrated GPTQ run; returns the run report (as the native run does)."""
+def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: dict) -> dict:
+    """The layer-by-layer forward over calibration text, and what rides on it: GPTQ
+    (``method="gptq"``), router statistics (always, for MoE layers; alone with ``stats_only``)
+    and expert pruning decided from them layer by layer (``keep_experts`` / ``prune_ratio``),
+    followed by RTN (``method="rtn"``) or no quantization (``method="none"``) when not GPTQ.
+    Returns the run report (as the native run does)."""
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -770,6 +793,9 @@ def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     if isinstance(qc.get("weight_block_size"), list) and qc["weight_block_size"]:
         block = int(qc["weight_block_size"][0])
     ctx = _Ctx(sess, opts, cfg, device, dtype, summary["arch"], block, prefix, [], {}, opts["progress"], {})
+    ctx.pruning = _pruning_of(summary)
+    ctx.bound = {int(k): list(v) for k, v in (sess.expert_map() or {}).items()} if ctx.pruning else {}
+    ctx.stats_source = "router_stats file" if ctx.pruning and ctx.pruning["bound_at_open"] else "calibration"
 
     # Chunks of whole windows.
     per = max(1, opts["chunk_tokens"] // opts["seqlen"])
@@ -806,9 +832,9 @@ def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
             bar.update(1)
             continue
         t0 = time.perf_counter()
-        sess.write_unquantized(u["index"])
         state_path = None
         if u["layer"] is None:
+            sess.write_unquantized(u["index"])
             if len(hidden) == 0:
                 if embed is None:
                     raise CheckpointError(f"{model_dir}: no embed_tokens.weight among the non-layer tensors")
@@ -820,8 +846,15 @@ def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
             if len(hidden) == 0:
                 raise CheckpointError("internal: no calibration hidden states before the first layer")
             _process_layer(ctx, meta_layers, rotary, u, hidden, chunks, bar)
+            # After the layer: a pruned layer's experts are bound to their sources by now.
+            sess.write_unquantized(u["index"])
+            if opts["method"] == "rtn":
+                with PHASES("rtn"):
+                    sess.quantize_rtn(u["index"])
             state_path = sess.state_path(u["index"])
             _save_state(state_path, hidden, ctx)
+        else:
+            sess.write_unquantized(u["index"])
         sess.commit(u["index"], os.fspath(state_path) if state_path else None)
         ctx.layer_seconds[u["layer"] if u["layer"] is not None else -1] = time.perf_counter() - t0
         bar.update(1)
@@ -834,9 +867,23 @@ def quantize_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     if device.type == "cuda":
         notes.append(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
     extra = _reports(ctx, summary, notes)
+    if ctx.pruning:
+        from .prune import pruning_files
+
+        extra += pruning_files(ctx.pruning, sess.expert_map() or {}, ctx.stats, _scoring(ctx.family))
     rep = sess.finish(extra)
     rep["notes"] = list(rep.get("notes", [])) + notes
     return rep
+
+
+def _pruning_of(summary: dict) -> dict | None:
+    """The session's pruning plan with integer layer keys (``None`` when not pruning)."""
+    p = summary.get("pruning")
+    if not p:
+        return None
+    p = dict(p)
+    p["keep"] = {int(k): int(v) for k, v in p["keep"].items()}
+    return p
 
 
 def _save_state(path: str, hidden: _Store, ctx: _Ctx) -> None:
@@ -912,10 +959,39 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
     stats = _Stats(routed.n_experts) if routed is not None else None
     fam = _FAMILY_EXPERTS.get(ctx.family, _FAMILY_EXPERTS["generic"])
     routed_rows: _Store | None = None
+    prune_now = routed is not None and ctx.pruning is not None and li not in ctx.bound
+    if routed is not None and ctx.pruning is not None and li in ctx.bound:
+        _apply_pruning(ctx, layer, routed, moe_attr, ctx.bound[li])  # chosen from a stats file
+        stats = None
+    stats_done = False
+    if opts["method"] != "gptq":
+        # No Hessians: one forward for the router statistics (and REAP), then the pruned layer.
+        outs = None
+        if stats is not None:
+            outs = _stats_pass(ctx, layer, routed, moe_attr, stats, hidden, chunks, rotary, li, not prune_now)
+            if prune_now:
+                _prune(ctx, layer, routed, moe_attr, li, stats)
+        if outs:
+            for ci, out in enumerate(outs):
+                hidden[ci] = out
+        else:
+            _final_pass(
+                ctx, layer, routed, hidden, chunks, rotary, li, "zero" if opts["sparse_forward"] else "run"
+            )
+        if stats is not None:
+            ctx.stats[li] = stats
+        del layer, routed
+        return
 
     for stage in stages:
         lin = [s for s in stage if s != "<experts>"]
         collect = "<experts>" in stage
+        if collect and prune_now:
+            # The statistics of the unpruned layer (its inputs already through the quantized
+            # stages before), then the layer pruned before its kept experts are solved.
+            _stats_pass(ctx, layer, routed, moe_attr, stats, hidden, chunks, rotary, li, False)
+            _prune(ctx, layer, routed, moe_attr, li, stats)
+            stats_done = True
         hs: dict[str, _Hessian] = {}
         handles = []
         seen_in: dict[str, torch.Tensor] = {}
@@ -930,7 +1006,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             routed.mode = "collect" if collect else "zero"
             routed.collected = []
         gate_hook = None
-        if collect and routed is not None:
+        if collect and routed is not None and stats is not None and not stats_done:
             gate_mod = getattr(layer, moe_attr).gate
 
             def ghook(_m, _a, out):
@@ -970,18 +1046,28 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
         del hs
         if collect and routed is not None:
             with PHASES("experts: gather + forward"):
-                routed_rows = _solve_experts(ctx, routed, u, stats, fam, hblock, bar)
+                routed_rows = _solve_experts(ctx, routed, u, None if stats_done else stats, fam, hblock, bar)
             routed.collected = []
 
     # Final pass: the next layer's inputs (routed output replayed when computed expert-major).
+    mode = "run"
     if routed is not None:
         if routed_rows is not None and opts["true_sequential"]:
-            routed.mode = "replay"
+            mode = "replay"
             routed.replay_rows = routed_rows
             routed.replay_at = 0
         else:
-            routed.mode = "run"
-            routed.stats = stats if routed_rows is None else None
+            routed.stats = stats if routed_rows is None and not stats_done else None
+    _final_pass(ctx, layer, routed, hidden, chunks, rotary, li, mode)
+    if stats is not None:
+        ctx.stats[li] = stats
+    del layer, routed
+
+
+def _final_pass(ctx: _Ctx, layer, routed, hidden: _Store, chunks, rotary, li: int, mode: str) -> None:
+    """Runs the layer over every chunk; its outputs become the next layer's inputs."""
+    if routed is not None:
+        routed.mode = mode
     with torch.no_grad():
         for ci in range(len(chunks)):
             with PHASES("forward"):
@@ -991,9 +1077,103 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
                     f"layer {li}: the forward produced NaN or Inf (calibration chunk {ci})"
                 )
             hidden[ci] = out
-    if stats is not None:
-        ctx.stats[li] = stats
-    del layer, routed
+    if routed is not None:
+        routed.stats = None
+
+
+def _scoring(family: str) -> str:
+    return _FAMILY_EXPERTS.get(family, _FAMILY_EXPERTS["generic"]).scoring
+
+
+def _stats_pass(
+    ctx: _Ctx,
+    layer,
+    routed,
+    moe_attr: str,
+    stats: _Stats,
+    hidden: _Store,
+    chunks,
+    rotary,
+    li: int,
+    keep: bool,
+):
+    """One forward of the (unpruned) layer over every chunk, recording the router statistics:
+    routed-token counts and probability mass from the router's own output, REAP sums from the
+    routed experts' outputs. With ``sparse_forward`` the routed experts are skipped (no REAP).
+    Returns the outputs when ``keep``."""
+    scoring = _scoring(ctx.family)
+    routed.mode = "zero" if ctx.opts["sparse_forward"] else "run"
+    routed.stats = stats
+    gate = getattr(layer, moe_attr).gate
+
+    def hook(_m, _a, out):
+        logits, _, idx = out
+        stats.add_routing(logits, idx, scoring)
+
+    handle = gate.register_forward_hook(hook)
+    outs = []
+    try:
+        with torch.no_grad():
+            for ci in range(len(chunks)):
+                with PHASES("forward (router statistics)"):
+                    out = _forward(layer, hidden[ci], rotary)
+                if not bool(torch.isfinite(out).all()):
+                    raise InvalidValueError(
+                        f"layer {li}: the forward produced NaN or Inf (calibration chunk {ci})"
+                    )
+                if keep:
+                    outs.append(out)
+    finally:
+        handle.remove()
+        routed.stats = None
+    return outs
+
+
+def _prune(ctx: _Ctx, layer, routed, moe_attr: str, li: int, stats: _Stats) -> None:
+    """Chooses the layer's kept experts from its statistics (``forge._native.select_experts``,
+    the one implementation of the criteria), binds them in the session, and prunes the layer."""
+    p = ctx.pruning
+    keep = _native.select_experts(
+        stats.counts.tolist(),
+        stats.mass.tolist(),
+        stats.reap.tolist(),
+        p["criterion"],
+        int(p["keep"][li]),
+        int(p["n_group"]) if p["layout"] == "compact" else 1,
+        int(ctx.opts["seed"]),
+        li,
+    )
+    ctx.sess.bind_experts(li, keep)
+    ctx.bound[li] = list(keep)
+    _apply_pruning(ctx, layer, routed, moe_attr, keep)
+
+
+def _apply_pruning(ctx: _Ctx, layer, routed, moe_attr: str, keep: list[int]) -> None:
+    """Makes the built layer the pruned model's layer. Compact: the router's rows (and
+    DeepSeek's ``e_score_correction_bias``) sliced to the kept experts, so routing picks the
+    top-k among the survivors, exactly what the written checkpoint does in vLLM and
+    transformers. Remap: the full router, picks of pruned experts dropped (weight 0, the rest
+    rescaled), as forge's vLLM plugin does."""
+    n = routed.n_experts
+    if ctx.pruning["layout"] == "compact":
+        gate = getattr(layer, moe_attr).gate
+        if not (isinstance(getattr(gate, "weight", None), torch.Tensor) and hasattr(gate, "num_experts")):
+            raise CheckpointError(
+                f"{type(gate).__name__}: forge does not know how to prune this router (it needs a "
+                "[experts, hidden] weight and num_experts); use remap=True"
+            )
+        ix = torch.tensor(keep, device=gate.weight.device)
+        gate.weight = torch.nn.Parameter(gate.weight.data.index_select(0, ix), requires_grad=False)
+        bias = getattr(gate, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            gate.e_score_correction_bias = bias.index_select(0, ix.to(bias.device))
+        gate.num_experts = len(keep)
+    else:
+        m = torch.full((n,), -1, dtype=torch.long)
+        m[torch.tensor(keep)] = torch.arange(len(keep))
+        routed.remap = m
+    routed.w = {c: routed.w[e] for c, e in enumerate(keep)}
+    routed.n_experts = len(keep)
 
 
 def _expert_chunk(device: torch.device, d: int, inter: int) -> int:
@@ -1026,7 +1206,7 @@ def _solve_group(items: list[dict], key: str, opts: dict) -> None:
 
 
 def _solve_experts(
-    ctx: _Ctx, routed: _RoutedExperts, u: dict, stats: _Stats, fam: _Experts, hblock, bar
+    ctx: _Ctx, routed: _RoutedExperts, u: dict, stats: _Stats | None, fam: _Experts, hblock, bar
 ) -> torch.Tensor:
     """GPTQ of every routed expert over exactly its routed tokens, in batches of experts;
     returns the layer's routed output (router weight times expert output, summed) for all
@@ -1130,7 +1310,8 @@ def _solve_experts(
                 if it["n"]:
                     y = F.linear(it["a"], dq).float()
                     wt = wts.reshape(-1)[it["sel"]]
-                    stats.add_reap(e, wt * y.norm(dim=-1))
+                    if stats is not None:
+                        stats.add_reap(e, wt * y.norm(dim=-1))
                     out.index_put_((it["tok"],), y * wt[:, None], accumulate=True)
             pbar.update(len(items))
             del items
@@ -1158,7 +1339,7 @@ def _reports(ctx: _Ctx, summary: dict, notes: list[str]) -> list[tuple[str, byte
     }
     files.append(("forge/report.json", (json.dumps(summary_json, indent=1) + "\n").encode()))
     lines = [
-        "# 4bit-forge GPTQ report",
+        f"# 4bit-forge {'router statistics' if ctx.opts['stats_only'] else ctx.opts['method'].upper()} report",
         "",
         f"Family `{summary['arch']}`, group size {ctx.opts['group_size']}, grid `{ctx.opts['grid']}`, "
         f"{ctx.opts['nsamples']} x {ctx.opts['seqlen']} calibration tokens, damp {ctx.opts['damp']}, "
@@ -1205,9 +1386,9 @@ def _reports(ctx: _Ctx, summary: dict, notes: list[str]) -> list[tuple[str, byte
                         "forge": json.dumps(
                             {
                                 "format": "4bit-forge router stats v1",
-                                "scoring": _FAMILY_EXPERTS.get(
-                                    ctx.family, _FAMILY_EXPERTS["generic"]
-                                ).scoring,
+                                "scoring": _scoring(ctx.family),
+                                "num_experts": int(ctx.stats[layers[0]].n),
+                                "model": str(getattr(ctx.cfg, "model_type", "")),
                             },
                             sort_keys=True,
                         )
@@ -1224,6 +1405,11 @@ def _reports(ctx: _Ctx, summary: dict, notes: list[str]) -> list[tuple[str, byte
             for i in layers
         }
         files.append(("forge/router_stats.json", (json.dumps(js) + "\n").encode()))
+        from .prune import stats_heatmap
+
+        png = stats_heatmap(ctx.stats, ctx.bound)
+        if png is not None:
+            files.append(("forge/router_stats.png", png))
     return files
 
 
