@@ -38,5 +38,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run::inspect, m)?)?;
     m.add_function(wrap_pyfunction!(run::verify, m)?)?;
     m.add_function(wrap_pyfunction!(run::cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(run::select_experts, m)?)?;
     Ok(())
 }

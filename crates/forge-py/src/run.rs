@@ -312,6 +312,51 @@ impl Session {
                 "fp8_block": forge_io::FP8_BLOCK,
             }),
         )
+        .and_then(|d| {
+            let pruning: Py<PyAny> = match s.pruning() {
+                None => py.None(),
+                Some(p) => {
+                    let v = to_py(py, &p.to_json())?;
+                    let dict = v.bind(py).cast::<PyDict>()?.clone();
+                    // Layer keys as ints.
+                    let keep = PyDict::new(py);
+                    for (l, k) in &p.keep {
+                        keep.set_item(l, k)?;
+                    }
+                    dict.set_item("keep", keep)?;
+                    v
+                }
+            };
+            d.bind(py).cast::<PyDict>()?.set_item("pruning", pruning)?;
+            Ok(d)
+        })
+    }
+
+    /// Binds the experts MoE layer `layer` keeps (source ids, ascending): compact slot `c`
+    /// is written from expert `keep_ids[c]`. Before the layer is written; recorded for resume.
+    fn bind_experts(&mut self, py: Python<'_>, layer: usize, keep_ids: Vec<usize>) -> PyResult<()> {
+        let s = self
+            .inner
+            .as_mut()
+            .ok_or_else(|| raise(py, "CheckpointError", "the session is finished"))?;
+        s.bind_experts(layer, &keep_ids).map_err(|e| run_err(py, e))
+    }
+
+    /// `{layer: [E ints]}` of the bound layers: compact id of each source expert, or -1.
+    fn expert_map(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let d = PyDict::new(py);
+        for (l, m) in self.get(py)?.expert_map() {
+            d.set_item(l, m)?;
+        }
+        Ok(d.into_any().unbind())
+    }
+
+    /// Quantizes unit `index`'s planned linears data-free (the RTN run's grid, format and
+    /// device) and writes them.
+    fn quantize_rtn(&self, py: Python<'_>, index: usize) -> PyResult<()> {
+        let s = self.get(py)?;
+        crate::errors::detach_guarded(py, "quantize_rtn", || s.quantize_rtn(index))?
+            .map_err(|e| run_err(py, e))
     }
 
     /// The units in processing order: key, label, layer, mtp, done, bytes_in, linears
@@ -333,8 +378,14 @@ impl Session {
                     "done": s.is_done(i),
                     "bytes_in": u.bytes_in,
                     "linears": u.linears.iter().map(|l| serde_json::json!({
-                        "module": l.module, "weight": l.weight, "n": l.n, "k": l.k
+                        "module": l.module,
+                        "weight": (!l.weight.is_empty()).then_some(&l.weight),
+                        "n": l.n,
+                        "k": l.k
                     })).collect::<Vec<_>>(),
+                    "experts": u.experts.as_ref().map(|x| serde_json::json!({
+                        "prefix": x.prefix, "keep": x.keep,
+                    })),
                     "tensors": u.tensors.iter().map(|(name, a)| serde_json::json!({
                         "name": name,
                         "action": match a {
@@ -342,6 +393,8 @@ impl Session {
                             Action::Copy => "copy",
                             Action::ToBf16 => "to_bf16",
                             Action::Drop => "drop",
+                            Action::Expert => "expert",
+                            Action::SliceRows => "slice_rows",
                         }
                     })).collect::<Vec<_>>(),
                 })
@@ -456,6 +509,34 @@ impl Session {
     }
 }
 
+/// The experts one MoE layer keeps (ids ascending): the `keep` best by `criterion`
+/// (`reap`: reap / max(counts, 1), `frequency`: counts, `mass`, `random`: seeded by seed and
+/// layer), ties to the lower id; with `n_group > 1` the same number from every group.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (counts, mass, reap, criterion, keep, n_group = 1, seed = 0, layer = 0))]
+pub fn select_experts(
+    py: Python<'_>,
+    counts: Vec<f64>,
+    mass: Vec<f64>,
+    reap: Vec<f64>,
+    criterion: &str,
+    keep: usize,
+    n_group: usize,
+    seed: u64,
+    layer: usize,
+) -> PyResult<Vec<usize>> {
+    let c = forge_run::prune::Criterion::parse(criterion).ok_or_else(|| {
+        raise(
+            py,
+            "InvalidValueError",
+            format!("invalid option criterion: expected reap, frequency, mass or random, got {criterion:?}"),
+        )
+    })?;
+    forge_run::prune::select_experts(&counts, &mass, &reap, c, keep, n_group, seed, layer)
+        .map_err(|e| run_err(py, e))
+}
+
 /// Summarises a checkpoint folder (layers, experts, dtypes, sizes, quantization status).
 #[pyfunction]
 pub fn inspect(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
@@ -480,6 +561,21 @@ pub fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<Py<PyAny>> {
     let o = crate::errors::detach_guarded(py, "cli", || forge_run::cli::dispatch(argv))?;
     match o {
         Outcome::Exit(code) => Ok(code.into_pyobject(py)?.into_any().unbind()),
+        Outcome::Prune {
+            model_dir,
+            out_dir,
+            options,
+            json,
+        } => {
+            let t = (
+                "prune",
+                model_dir.display().to_string(),
+                out_dir.display().to_string(),
+                to_py(py, &options)?,
+                json,
+            );
+            Ok(t.into_pyobject(py)?.into_any().unbind())
+        }
         Outcome::Calibrate {
             model_dir,
             out_dir,

@@ -1,4 +1,4 @@
-//! The `forge-rs` command line (`quantize`, `inspect`, `verify`), shared by
+//! The `forge-rs` command line (`quantize`, `prune`, `inspect`, `verify`), shared by
 //! the `forge-rs` binary and `python -m forge`. Argument parsing only: the
 //! work is [`crate::run`], [`crate::inspect`] and [`crate::verify`].
 //!
@@ -53,6 +53,146 @@ enum MethodArg {
     Rtn,
     /// GPTQ with calibration data
     Gptq,
+    /// no quantization (a bf16/unchanged copy, e.g. pruned only)
+    None,
+}
+
+/// The flags of a run (`quantize` and `prune`).
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// Source checkpoint folder (safetensors, bf16/fp16/fp32 or DeepSeek FP8).
+    model_dir: PathBuf,
+    /// Output folder (created; must be empty unless --overwrite or --resume).
+    out_dir: PathBuf,
+    /// `rtn` (data-free, default), `gptq` (calibrated; needs the Python package) or `none`
+    /// (no quantization: a bf16/unchanged copy, e.g. pruned only).
+    #[arg(long, value_enum)]
+    method: Option<MethodArg>,
+    /// Output format: awq (default), gptq (needs --sym) or compressed-tensors.
+    #[arg(long, value_enum)]
+    format: Option<FormatArg>,
+    /// Group size along the input dimension (32, 64, 128; default 128).
+    #[arg(long)]
+    group_size: Option<usize>,
+    /// Symmetric grid (zero point 8).
+    #[arg(long, conflicts_with = "asym")]
+    sym: bool,
+    /// Asymmetric grid (the default).
+    #[arg(long)]
+    asym: bool,
+    /// How to choose scales (default range).
+    #[arg(long, value_enum)]
+    grid: Option<Grid>,
+    /// MSE grid: number of candidate scales.
+    #[arg(long)]
+    mse_grid: Option<usize>,
+    /// MSE grid: candidates span [1 - s, 1 + s] times the range scale.
+    #[arg(long)]
+    mse_shrink: Option<f32>,
+    /// MSE grid: exponent p of the loss Σ|e|^p.
+    #[arg(long)]
+    mse_norm: Option<f32>,
+    /// Leave matching linears unquantized (dotted segments like `kv_b_proj`, `self_attn`, or a glob with `*`). Repeatable.
+    #[arg(long, value_name = "PATTERN")]
+    exclude: Vec<String>,
+    /// Quantize only matching linears (e.g. `mlp.experts` for experts only). Repeatable.
+    #[arg(long, value_name = "PATTERN")]
+    include: Vec<String>,
+    /// Also quantize what the family leaves unquantized by default (DeepSeek: kv_b_proj).
+    #[arg(long)]
+    no_default_excludes: bool,
+    /// Leave linears whose shape cannot be packed unquantized instead of failing.
+    #[arg(long)]
+    skip_unpackable: bool,
+    /// Maximum tensor bytes per output shard (`5GB`, `500MB`, `2GiB`, bytes).
+    #[arg(long)]
+    max_shard_size: Option<String>,
+    /// GPTQ: calibration file (plain text, .jsonl with a "text" field, or token ids).
+    #[arg(long)]
+    calib: Option<PathBuf>,
+    /// GPTQ: calibration windows (default 128).
+    #[arg(long)]
+    nsamples: Option<usize>,
+    /// GPTQ: tokens per window (default 512).
+    #[arg(long)]
+    seqlen: Option<usize>,
+    /// GPTQ: seed of the window sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// GPTQ: relative damping (default 0.01).
+    #[arg(long)]
+    damp: Option<f32>,
+    /// GPTQ: process inputs in activation order (static groups).
+    #[arg(long)]
+    act_order: bool,
+    /// GPTQ: columns per lazy-update block (default 128).
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// GPTQ: solve a layer's linears all from the unquantized layer's inputs.
+    #[arg(long)]
+    no_true_sequential: bool,
+    /// GPTQ: `full` (default) or `block` (block-diagonal) Hessians.
+    #[arg(long)]
+    hessian: Option<String>,
+    /// GPTQ: experts with too few tokens: `pooled` (default) or `rtn`.
+    #[arg(long)]
+    few_tokens: Option<String>,
+    /// GPTQ: routed-token count under which an expert takes the fallback (default K/8).
+    #[arg(long)]
+    few_tokens_threshold: Option<usize>,
+    /// GPTQ: tokens per forward chunk.
+    #[arg(long)]
+    chunk_tokens: Option<usize>,
+    /// GPTQ: where activations live: auto, gpu, cpu, disk.
+    #[arg(long)]
+    activations: Option<String>,
+    /// GPTQ: folder for activations on disk.
+    #[arg(long)]
+    offload_dir: Option<PathBuf>,
+    /// Continue an interrupted run in OUT_DIR.
+    #[arg(long)]
+    resume: bool,
+    /// Replace the files of a non-empty OUT_DIR.
+    #[arg(long)]
+    overwrite: bool,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Where to quantize: `cpu` (default), `cuda` or `cuda:N`.
+    #[arg(long)]
+    device: Option<String>,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+    /// Print the final report as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Pruning: routed experts kept per MoE layer.
+    #[arg(long, help_heading = "Expert pruning")]
+    keep_experts: Option<usize>,
+    /// Pruning: fraction of routed experts pruned, in (0, 1) (with n_group, balanced per group).
+    #[arg(long, help_heading = "Expert pruning", conflicts_with = "keep_experts")]
+    prune_ratio: Option<f32>,
+    /// Pruning: rank experts by reap (default), frequency, mass or random.
+    #[arg(long, help_heading = "Expert pruning")]
+    criterion: Option<String>,
+    /// Pruning: remap layout (router untouched, per-layer counts; needs the runtime patch)
+    /// instead of the compact layout stock vLLM loads.
+    #[arg(long, help_heading = "Expert pruning")]
+    remap: bool,
+    /// Pruning (remap, with --router-stats): keep per layer the fewest experts covering this
+    /// fraction of the layer's total score, in (0, 1].
+    #[arg(long, help_heading = "Expert pruning")]
+    keep_mass: Option<f32>,
+    /// Calibration forward without the routed experts (not with criterion reap).
+    #[arg(long, help_heading = "Expert pruning")]
+    sparse_forward: bool,
+    /// Only collect router statistics (forge/router_stats.safetensors); needs --calib.
+    #[arg(long, help_heading = "Expert pruning")]
+    stats_only: bool,
+    /// Prune from the router_stats.safetensors of an earlier run (no calibration needed).
+    #[arg(long, help_heading = "Expert pruning", value_name = "FILE")]
+    router_stats: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -60,114 +200,11 @@ enum MethodArg {
 enum Command {
     /// Quantize MODEL_DIR into OUT_DIR (4 bits; AWQ "gemm" unless --format). Absent flags take
     /// the defaults of `forge.default_options()` (defined once, in the run's options).
-    Quantize {
-        /// Source checkpoint folder (safetensors, bf16/fp16/fp32 or DeepSeek FP8).
-        model_dir: PathBuf,
-        /// Output folder (created; must be empty unless --overwrite or --resume).
-        out_dir: PathBuf,
-        /// `rtn` (data-free, default) or `gptq` (calibrated; needs the Python package).
-        #[arg(long, value_enum)]
-        method: Option<MethodArg>,
-        /// Output format: awq (default), gptq (needs --sym) or compressed-tensors.
-        #[arg(long, value_enum)]
-        format: Option<FormatArg>,
-        /// Group size along the input dimension (32, 64, 128; default 128).
-        #[arg(long)]
-        group_size: Option<usize>,
-        /// Symmetric grid (zero point 8).
-        #[arg(long, conflicts_with = "asym")]
-        sym: bool,
-        /// Asymmetric grid (the default).
-        #[arg(long)]
-        asym: bool,
-        /// How to choose scales (default range).
-        #[arg(long, value_enum)]
-        grid: Option<Grid>,
-        /// MSE grid: number of candidate scales.
-        #[arg(long)]
-        mse_grid: Option<usize>,
-        /// MSE grid: candidates span [1 - s, 1 + s] times the range scale.
-        #[arg(long)]
-        mse_shrink: Option<f32>,
-        /// MSE grid: exponent p of the loss Σ|e|^p.
-        #[arg(long)]
-        mse_norm: Option<f32>,
-        /// Leave matching linears unquantized (dotted segments like `kv_b_proj`, `self_attn`, or a glob with `*`). Repeatable.
-        #[arg(long, value_name = "PATTERN")]
-        exclude: Vec<String>,
-        /// Quantize only matching linears (e.g. `mlp.experts` for experts only). Repeatable.
-        #[arg(long, value_name = "PATTERN")]
-        include: Vec<String>,
-        /// Also quantize what the family leaves unquantized by default (DeepSeek: kv_b_proj).
-        #[arg(long)]
-        no_default_excludes: bool,
-        /// Leave linears whose shape cannot be packed unquantized instead of failing.
-        #[arg(long)]
-        skip_unpackable: bool,
-        /// Maximum tensor bytes per output shard (`5GB`, `500MB`, `2GiB`, bytes).
-        #[arg(long)]
-        max_shard_size: Option<String>,
-        /// GPTQ: calibration file (plain text, .jsonl with a "text" field, or token ids).
-        #[arg(long)]
-        calib: Option<PathBuf>,
-        /// GPTQ: calibration windows (default 128).
-        #[arg(long)]
-        nsamples: Option<usize>,
-        /// GPTQ: tokens per window (default 512).
-        #[arg(long)]
-        seqlen: Option<usize>,
-        /// GPTQ: seed of the window sampling.
-        #[arg(long)]
-        seed: Option<u64>,
-        /// GPTQ: relative damping (default 0.01).
-        #[arg(long)]
-        damp: Option<f32>,
-        /// GPTQ: process inputs in activation order (static groups).
-        #[arg(long)]
-        act_order: bool,
-        /// GPTQ: columns per lazy-update block (default 128).
-        #[arg(long)]
-        block_size: Option<usize>,
-        /// GPTQ: solve a layer's linears all from the unquantized layer's inputs.
-        #[arg(long)]
-        no_true_sequential: bool,
-        /// GPTQ: `full` (default) or `block` (block-diagonal) Hessians.
-        #[arg(long)]
-        hessian: Option<String>,
-        /// GPTQ: experts with too few tokens: `pooled` (default) or `rtn`.
-        #[arg(long)]
-        few_tokens: Option<String>,
-        /// GPTQ: routed-token count under which an expert takes the fallback (default K/8).
-        #[arg(long)]
-        few_tokens_threshold: Option<usize>,
-        /// GPTQ: tokens per forward chunk.
-        #[arg(long)]
-        chunk_tokens: Option<usize>,
-        /// GPTQ: where activations live: auto, gpu, cpu, disk.
-        #[arg(long)]
-        activations: Option<String>,
-        /// GPTQ: folder for activations on disk.
-        #[arg(long)]
-        offload_dir: Option<PathBuf>,
-        /// Continue an interrupted run in OUT_DIR.
-        #[arg(long)]
-        resume: bool,
-        /// Replace the files of a non-empty OUT_DIR.
-        #[arg(long)]
-        overwrite: bool,
-        /// Worker threads (default: all cores).
-        #[arg(long)]
-        threads: Option<usize>,
-        /// Where to quantize: `cpu` (default), `cuda` or `cuda:N`.
-        #[arg(long)]
-        device: Option<String>,
-        /// No progress bar.
-        #[arg(long)]
-        no_progress: bool,
-        /// Print the final report as JSON on stdout.
-        #[arg(long)]
-        json: bool,
-    },
+    Quantize(RunArgs),
+    /// Prune routed experts of MODEL_DIR into OUT_DIR (and quantize, unless --method none).
+    /// With --router-stats it runs natively; with --calib (or --stats-only, --method gptq) the
+    /// calibration forward runs in the Python package.
+    Prune(RunArgs),
     /// Show layers, experts, dtypes, sizes and quantization status of a checkpoint folder.
     Inspect {
         /// Checkpoint folder.
@@ -327,6 +364,18 @@ pub enum Outcome {
         /// Print the report as JSON.
         json: bool,
     },
+    /// A pruning run that needs the calibration forward: the caller (the
+    /// Python package, `python -m forge prune`) runs it with these options.
+    Prune {
+        /// Source folder.
+        model_dir: PathBuf,
+        /// Output folder.
+        out_dir: PathBuf,
+        /// The options as JSON (validated).
+        options: serde_json::Value,
+        /// Print the report as JSON.
+        json: bool,
+    },
 }
 
 fn print_report(report: &crate::RunReport, json: bool) {
@@ -362,149 +411,197 @@ fn print_report(report: &crate::RunReport, json: bool) {
     );
 }
 
+/// Runs `quantize` (or `prune`, which must be asked to prune) with the given flags.
+fn run_args(a: RunArgs, prune: bool) -> Result<Outcome> {
+    let RunArgs {
+        model_dir,
+        out_dir,
+        method,
+        format,
+        group_size,
+        sym,
+        asym: _,
+        grid,
+        mse_grid,
+        mse_shrink,
+        mse_norm,
+        exclude,
+        include,
+        no_default_excludes,
+        skip_unpackable,
+        max_shard_size,
+        calib,
+        nsamples,
+        seqlen,
+        seed,
+        damp,
+        act_order,
+        block_size,
+        no_true_sequential,
+        hessian,
+        few_tokens,
+        few_tokens_threshold,
+        chunk_tokens,
+        activations,
+        offload_dir,
+        resume,
+        overwrite,
+        threads,
+        device,
+        no_progress,
+        json,
+        keep_experts,
+        prune_ratio,
+        criterion,
+        remap,
+        keep_mass,
+        sparse_forward,
+        stats_only,
+        router_stats,
+    } = a;
+    // Only what was given: the defaults live in `Options`.
+    let mut m = serde_json::Map::new();
+    let mut put = |k: &str, v: serde_json::Value| {
+        if !v.is_null() {
+            m.insert(k.into(), v);
+        }
+    };
+    use serde_json::json;
+    put(
+        "method",
+        json!(method.map(|x| match x {
+            MethodArg::Rtn => "rtn",
+            MethodArg::Gptq => "gptq",
+            MethodArg::None => "none",
+        })),
+    );
+    put(
+        "format",
+        json!(format.map(|f| match f {
+            FormatArg::Awq => crate::OutputFormat::Awq.name(),
+            FormatArg::Gptq => crate::OutputFormat::Gptq.name(),
+            FormatArg::CompressedTensors => crate::OutputFormat::CompressedTensors.name(),
+        })),
+    );
+    put("group_size", json!(group_size));
+    if sym {
+        put("symmetric", json!(true));
+    }
+    put(
+        "grid",
+        json!(grid.map(|g| match g {
+            Grid::Range => "range",
+            Grid::Mse => "mse",
+        })),
+    );
+    put("mse_grid", json!(mse_grid));
+    put("mse_shrink", json!(mse_shrink));
+    put("mse_norm", json!(mse_norm));
+    if !exclude.is_empty() {
+        put("exclude", json!(exclude));
+    }
+    if !include.is_empty() {
+        put("include", json!(include));
+    }
+    if no_default_excludes {
+        put("default_excludes", json!(false));
+    }
+    if skip_unpackable {
+        put("skip_unpackable", json!(true));
+    }
+    put("max_shard_size", json!(max_shard_size));
+    put("calib", json!(calib.map(|p| p.display().to_string())));
+    put("nsamples", json!(nsamples));
+    put("seqlen", json!(seqlen));
+    put("seed", json!(seed));
+    put("damp", json!(damp));
+    if act_order {
+        put("act_order", json!(true));
+    }
+    put("block_size", json!(block_size));
+    if no_true_sequential {
+        put("true_sequential", json!(false));
+    }
+    put("hessian", json!(hessian));
+    put("few_tokens", json!(few_tokens));
+    put("few_tokens_threshold", json!(few_tokens_threshold));
+    put("chunk_tokens", json!(chunk_tokens));
+    put("activations", json!(activations));
+    put(
+        "offload_dir",
+        json!(offload_dir.map(|p| p.display().to_string())),
+    );
+    if resume {
+        put("resume", json!(true));
+    }
+    if overwrite {
+        put("overwrite", json!(true));
+    }
+    put("threads", json!(threads));
+    put("device", json!(device));
+    if no_progress {
+        put("progress", json!(false));
+    }
+    put("keep_experts", json!(keep_experts));
+    put("prune_ratio", json!(prune_ratio));
+    put("criterion", json!(criterion));
+    if remap {
+        put("remap", json!(true));
+    }
+    put("keep_mass", json!(keep_mass));
+    if sparse_forward {
+        put("sparse_forward", json!(true));
+    }
+    if stats_only {
+        put("stats_only", json!(true));
+    }
+    put(
+        "router_stats",
+        json!(router_stats.map(|p| p.display().to_string())),
+    );
+    if let Some(n) = threads {
+        check_threads(n)?;
+    }
+    let opts = crate::Options::from_json(&serde_json::Value::Object(m))?;
+    if prune && !opts.prunes() && !opts.stats_only {
+        return Err(Error::options(
+            "prune",
+            "says what to keep: give --keep-experts, --prune-ratio or --keep-mass (or --stats-only to collect router statistics)",
+        ));
+    }
+    // The calibration forward runs in the Python package.
+    if opts.uses_calibration() {
+        let options = opts.to_json();
+        return Ok(if prune {
+            Outcome::Prune {
+                model_dir,
+                out_dir,
+                options,
+                json,
+            }
+        } else {
+            Outcome::Calibrate {
+                model_dir,
+                out_dir,
+                options,
+                json,
+            }
+        });
+    }
+    if NATIVE.load(Ordering::Relaxed) {
+        install_interrupt_hint();
+    }
+    let bar = BarProgress::new(opts.progress);
+    let report = crate::run::quantize(&model_dir, &out_dir, &opts, &bar)?;
+    drop(bar);
+    print_report(&report, json);
+    Ok(Outcome::Exit(0))
+}
+
 fn run_cli(cli: Cli) -> Result<Outcome> {
     match cli.command {
-        Command::Quantize {
-            model_dir,
-            out_dir,
-            method,
-            format,
-            group_size,
-            sym,
-            asym: _,
-            grid,
-            mse_grid,
-            mse_shrink,
-            mse_norm,
-            exclude,
-            include,
-            no_default_excludes,
-            skip_unpackable,
-            max_shard_size,
-            calib,
-            nsamples,
-            seqlen,
-            seed,
-            damp,
-            act_order,
-            block_size,
-            no_true_sequential,
-            hessian,
-            few_tokens,
-            few_tokens_threshold,
-            chunk_tokens,
-            activations,
-            offload_dir,
-            resume,
-            overwrite,
-            threads,
-            device,
-            no_progress,
-            json,
-        } => {
-            // Only what was given: the defaults live in `Options`.
-            let mut m = serde_json::Map::new();
-            let mut put = |k: &str, v: serde_json::Value| {
-                if !v.is_null() {
-                    m.insert(k.into(), v);
-                }
-            };
-            use serde_json::json;
-            put(
-                "method",
-                json!(method.map(|x| match x {
-                    MethodArg::Rtn => "rtn",
-                    MethodArg::Gptq => "gptq",
-                })),
-            );
-            put(
-                "format",
-                json!(format.map(|f| match f {
-                    FormatArg::Awq => crate::OutputFormat::Awq.name(),
-                    FormatArg::Gptq => crate::OutputFormat::Gptq.name(),
-                    FormatArg::CompressedTensors => crate::OutputFormat::CompressedTensors.name(),
-                })),
-            );
-            put("group_size", json!(group_size));
-            if sym {
-                put("symmetric", json!(true));
-            }
-            put(
-                "grid",
-                json!(grid.map(|g| match g {
-                    Grid::Range => "range",
-                    Grid::Mse => "mse",
-                })),
-            );
-            put("mse_grid", json!(mse_grid));
-            put("mse_shrink", json!(mse_shrink));
-            put("mse_norm", json!(mse_norm));
-            if !exclude.is_empty() {
-                put("exclude", json!(exclude));
-            }
-            if !include.is_empty() {
-                put("include", json!(include));
-            }
-            if no_default_excludes {
-                put("default_excludes", json!(false));
-            }
-            if skip_unpackable {
-                put("skip_unpackable", json!(true));
-            }
-            put("max_shard_size", json!(max_shard_size));
-            put("calib", json!(calib.map(|p| p.display().to_string())));
-            put("nsamples", json!(nsamples));
-            put("seqlen", json!(seqlen));
-            put("seed", json!(seed));
-            put("damp", json!(damp));
-            if act_order {
-                put("act_order", json!(true));
-            }
-            put("block_size", json!(block_size));
-            if no_true_sequential {
-                put("true_sequential", json!(false));
-            }
-            put("hessian", json!(hessian));
-            put("few_tokens", json!(few_tokens));
-            put("few_tokens_threshold", json!(few_tokens_threshold));
-            put("chunk_tokens", json!(chunk_tokens));
-            put("activations", json!(activations));
-            put(
-                "offload_dir",
-                json!(offload_dir.map(|p| p.display().to_string())),
-            );
-            if resume {
-                put("resume", json!(true));
-            }
-            if overwrite {
-                put("overwrite", json!(true));
-            }
-            put("threads", json!(threads));
-            put("device", json!(device));
-            if no_progress {
-                put("progress", json!(false));
-            }
-            if let Some(n) = threads {
-                check_threads(n)?;
-            }
-            let opts = crate::Options::from_json(&serde_json::Value::Object(m))?;
-            if opts.method == crate::options::Method::Gptq {
-                return Ok(Outcome::Calibrate {
-                    model_dir,
-                    out_dir,
-                    options: opts.to_json(),
-                    json,
-                });
-            }
-            if NATIVE.load(Ordering::Relaxed) {
-                install_interrupt_hint();
-            }
-            let bar = BarProgress::new(opts.progress);
-            let report = crate::run::quantize(&model_dir, &out_dir, &opts, &bar)?;
-            drop(bar);
-            print_report(&report, json);
-            Ok(Outcome::Exit(0))
-        }
+        Command::Quantize(a) => run_args(a, false),
+        Command::Prune(a) => run_args(a, true),
         Command::Inspect { dir, json } => {
             let v = crate::inspect::inspect(&dir)?;
             if json {
@@ -587,7 +684,7 @@ where
     let args: Vec<OsString> = argv.into_iter().map(Into::into).collect();
     match dispatch(args.clone()) {
         Outcome::Exit(c) => c,
-        Outcome::Calibrate { .. } => {
+        Outcome::Calibrate { .. } | Outcome::Prune { .. } => {
             let python = std::env::var_os("FORGE_PYTHON").unwrap_or_else(|| "python3".into());
             let status = std::process::Command::new(&python)
                 .arg("-m")
@@ -598,7 +695,7 @@ where
                 Ok(s) => s.code().unwrap_or(1),
                 Err(e) => {
                     eprintln!(
-                        "forge-rs: error: --method gptq runs in the Python package (pip install 4bit-forge), but {} could not be started: {e}",
+                        "forge-rs: error: the calibration forward (--method gptq, --calib pruning, --stats-only) runs in the Python package (pip install 4bit-forge), but {} could not be started: {e}",
                         std::path::Path::new(&python).display()
                     );
                     1

@@ -34,6 +34,7 @@ pub mod inspect;
 pub mod lock;
 pub mod options;
 pub mod plan;
+pub mod prune;
 pub mod quantizer;
 pub mod run;
 pub mod session;

@@ -17,6 +17,7 @@ use serde_json::{json, Map, Value};
 
 use crate::format::OutputFormat;
 use crate::plan::QuantOptions;
+pub use crate::prune::Criterion;
 use crate::{Error, Result};
 
 /// How the weights are chosen.
@@ -27,6 +28,9 @@ pub enum Method {
     Rtn,
     /// GPTQ with Hessians from calibration activations (layer by layer, in Python).
     Gptq,
+    /// No quantization: every tensor copied (FP8 → bf16), no `quantization_config`
+    /// (for pruning alone).
+    None,
 }
 
 /// How each group's scale and zero point are chosen.
@@ -142,6 +146,27 @@ pub struct Options {
     pub offload_dir: Option<PathBuf>,
     /// Show progress bars.
     pub progress: bool,
+
+    /// Pruning: routed experts kept per MoE layer.
+    pub keep_experts: Option<usize>,
+    /// Pruning: fraction of the routed experts pruned, in (0, 1) (exclusive with
+    /// keep_experts; see `forge_run::prune` for the rounding).
+    pub prune_ratio: Option<f32>,
+    /// Pruning: how experts are ranked: `reap`, `frequency`, `mass` or `random`.
+    pub criterion: Criterion,
+    /// Pruning: remap layout (router untouched, per-layer counts; needs the
+    /// runtime patch) instead of the compact one stock vLLM loads.
+    pub remap: bool,
+    /// Pruning: per-layer keep count = fewest experts whose scores cover this
+    /// fraction of the layer's total, in (0, 1] (remap and router_stats only).
+    pub keep_mass: Option<f32>,
+    /// Calibration forward without the routed experts (faster; not with criterion reap).
+    pub sparse_forward: bool,
+    /// Only collect router statistics (`forge/router_stats.safetensors`); needs calib.
+    pub stats_only: bool,
+    /// Pruning: `router_stats.safetensors` of an earlier run to prune from
+    /// (no calibration needed for the expert map).
+    pub router_stats: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -180,6 +205,14 @@ impl Default for Options {
             activations: "auto".into(),
             offload_dir: None,
             progress: true,
+            keep_experts: None,
+            prune_ratio: None,
+            criterion: Criterion::Reap,
+            remap: false,
+            keep_mass: None,
+            sparse_forward: false,
+            stats_only: false,
+            router_stats: None,
         }
     }
 }
@@ -199,6 +232,16 @@ const BYTE_KEYS: &[&str] = &[
     "default_excludes",
     "skip_unpackable",
     "max_shard_size",
+];
+/// Keys that change the output bytes of a pruning (or statistics) run.
+const PRUNE_BYTE_KEYS: &[&str] = &[
+    "keep_experts",
+    "prune_ratio",
+    "criterion",
+    "remap",
+    "keep_mass",
+    "sparse_forward",
+    "stats_only",
 ];
 /// Keys that change the output bytes of a GPTQ run.
 const GPTQ_BYTE_KEYS: &[&str] = &[
@@ -270,7 +313,16 @@ impl Options {
     }
 
     fn optional_keys() -> &'static [&'static str] {
-        &["calib", "few_tokens_threshold", "threads", "offload_dir"]
+        &[
+            "calib",
+            "few_tokens_threshold",
+            "threads",
+            "offload_dir",
+            "keep_experts",
+            "prune_ratio",
+            "keep_mass",
+            "router_stats",
+        ]
     }
 
     /// The part of the options that decides the output bytes (stored in the
@@ -278,14 +330,27 @@ impl Options {
     pub fn fingerprint(&self) -> Value {
         let all = self.to_json();
         let mut out = Map::new();
-        let gptq = self.method == Method::Gptq;
+        // The calibration forward decides the bytes (GPTQ Hessians, router statistics).
+        let gptq = self.method == Method::Gptq || self.uses_calibration();
+        let prune = self.prunes() || self.stats_only;
         for k in BYTE_KEYS
             .iter()
             .chain(if gptq { GPTQ_BYTE_KEYS } else { &[] })
+            .chain(if prune { PRUNE_BYTE_KEYS } else { &[] })
         {
             if let Some(v) = all.get(*k) {
                 out.insert((*k).into(), v.clone());
             }
+        }
+        if prune && self.criterion == Criterion::Random {
+            out.insert("seed".into(), json!(self.seed));
+        }
+        if let Some(p) = &self.router_stats {
+            // The content decides the expert map, not the path.
+            out.insert(
+                "router_stats".into(),
+                crate::prune::file_fingerprint(p).unwrap_or_else(|e| json!(e.to_string())),
+            );
         }
         if gptq {
             out.insert(
@@ -341,6 +406,8 @@ impl Options {
             default_excludes: self.default_excludes,
             skip_unpackable: self.skip_unpackable,
             max_shard_bytes: self.max_shard_bytes()?,
+            quantize: self.method != Method::None,
+            stats_only: self.stats_only,
         })
     }
 
@@ -387,6 +454,7 @@ impl Options {
                 ));
             }
         }
+        self.validate_pruning()?;
         if !["auto", "gpu", "cpu", "disk"].contains(&self.activations.as_str()) {
             return Err(Error::options(
                 "activations",
@@ -395,6 +463,123 @@ impl Options {
                     self.activations
                 ),
             ));
+        }
+        Ok(())
+    }
+
+    /// Whether expert pruning is asked (keep_experts, prune_ratio or keep_mass).
+    pub fn prunes(&self) -> bool {
+        self.keep_experts.is_some() || self.prune_ratio.is_some() || self.keep_mass.is_some()
+    }
+
+    /// Whether the run needs the calibration forward (in Python): GPTQ,
+    /// router statistics only, or pruning with calib (or without router_stats).
+    pub fn uses_calibration(&self) -> bool {
+        self.method == Method::Gptq
+            || self.stats_only
+            || (self.prunes() && (self.router_stats.is_none() || self.calib.is_some()))
+    }
+
+    /// The model-independent checks of the pruning options (the keep count
+    /// against the model's routing is checked when the run opens).
+    fn validate_pruning(&self) -> Result<()> {
+        if let Some(k) = self.keep_experts {
+            if k == 0 {
+                return Err(Error::options("keep_experts", "must be at least 1"));
+            }
+        }
+        if let Some(r) = self.prune_ratio {
+            if !(r.is_finite() && r > 0.0 && r < 1.0) {
+                return Err(Error::options(
+                    "prune_ratio",
+                    format!("the fraction of experts pruned must be in (0, 1), got {r}"),
+                ));
+            }
+            if self.keep_experts.is_some() {
+                return Err(Error::options(
+                    "prune_ratio",
+                    "give keep_experts or prune_ratio, not both",
+                ));
+            }
+        }
+        if let Some(m) = self.keep_mass {
+            if !(m.is_finite() && m > 0.0 && m <= 1.0) {
+                return Err(Error::options(
+                    "keep_mass",
+                    format!("must be in (0, 1], got {m}"),
+                ));
+            }
+            if self.keep_experts.is_some() || self.prune_ratio.is_some() {
+                return Err(Error::options(
+                    "keep_mass",
+                    "gives per-layer keep counts; it cannot be combined with keep_experts or prune_ratio",
+                ));
+            }
+            if !self.remap {
+                return Err(Error::options(
+                    "keep_mass",
+                    "per-layer keep counts need the remap layout (vLLM's compact layout has one expert count for every layer): add remap",
+                ));
+            }
+            if self.router_stats.is_none() {
+                return Err(Error::options(
+                    "keep_mass",
+                    "needs router_stats (the per-layer counts must be known when the run opens)",
+                ));
+            }
+            if self.criterion == Criterion::Random {
+                return Err(Error::options(
+                    "keep_mass",
+                    "random scores cover no meaningful mass; pick criterion reap, frequency or mass",
+                ));
+            }
+        }
+        if self.sparse_forward && self.criterion == Criterion::Reap {
+            return Err(Error::options(
+                "sparse_forward",
+                "skips the routed experts in the calibration forward, and criterion reap needs their outputs; pick criterion frequency, mass or random",
+            ));
+        }
+        if self.stats_only {
+            if self.prunes() {
+                return Err(Error::options(
+                    "stats_only",
+                    "produces only router statistics; it cannot be combined with keep_experts, prune_ratio or keep_mass",
+                ));
+            }
+            if self.calib.is_none() {
+                return Err(Error::options(
+                    "stats_only",
+                    "needs calib (the statistics come from a calibration forward)",
+                ));
+            }
+            if self.router_stats.is_some() {
+                return Err(Error::options(
+                    "stats_only",
+                    "collects router statistics; router_stats (statistics given up front) makes no sense with it",
+                ));
+            }
+        }
+        if self.prunes() && self.calib.is_none() && self.router_stats.is_none() {
+            let k = if self.keep_experts.is_some() {
+                "keep_experts"
+            } else if self.prune_ratio.is_some() {
+                "prune_ratio"
+            } else {
+                "keep_mass"
+            };
+            return Err(Error::options(
+                k,
+                "expert pruning needs calib (a calibration forward scores the experts) or router_stats (scores of an earlier run)",
+            ));
+        }
+        if let Some(p) = &self.router_stats {
+            if !p.is_file() {
+                return Err(Error::options(
+                    "router_stats",
+                    format!("{} is not a file", p.display()),
+                ));
+            }
         }
         Ok(())
     }
@@ -408,6 +593,7 @@ impl Options {
         match self.method {
             Method::Rtn => format!("rtn-{grid}"),
             Method::Gptq => format!("gptq-{grid}"),
+            Method::None => "none".into(),
         }
     }
 }

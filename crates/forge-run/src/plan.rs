@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 
 use crate::arch::{num_hidden_layers, Architecture, Pattern};
 use crate::format::OutputFormat;
+use crate::prune::{Layout, PruneSpec};
 use crate::{Error, Result};
 
 /// What to quantize and how (everything that changes the output bytes).
@@ -36,6 +37,10 @@ pub struct QuantOptions {
     pub skip_unpackable: bool,
     /// Maximum tensor bytes per output shard.
     pub max_shard_bytes: u64,
+    /// Quantize the selected linears (false: method `none`, every tensor copied).
+    pub quantize: bool,
+    /// Write no tensor at all (a run that only collects router statistics).
+    pub stats_only: bool,
 }
 
 impl Default for QuantOptions {
@@ -50,6 +55,8 @@ impl Default for QuantOptions {
             default_excludes: true,
             skip_unpackable: false,
             max_shard_bytes: forge_io::DEFAULT_MAX_SHARD_BYTES,
+            quantize: true,
+            stats_only: false,
         }
     }
 }
@@ -83,6 +90,8 @@ impl QuantOptions {
             "default_excludes": self.default_excludes,
             "skip_unpackable": self.skip_unpackable,
             "max_shard_bytes": self.max_shard_bytes,
+            "quantize": self.quantize,
+            "stats_only": self.stats_only,
         })
     }
 }
@@ -99,6 +108,44 @@ pub enum Action {
     ToBf16,
     /// Not written (the `weight_scale_inv` of an FP8 weight).
     Drop,
+    /// A routed expert's tensor in a pruned layer: written (under its compact
+    /// slot, see [`ExpertSet`]) only when its expert is kept.
+    Expert,
+    /// A router row tensor in a compact pruned layer (`gate.weight`,
+    /// `e_score_correction_bias`): written as the rows of the kept experts
+    /// (FP8 → bf16).
+    SliceRows,
+}
+
+/// The routed experts of a pruned MoE layer: written as compact slots
+/// `<prefix><c>.<leaf>` for `c` in `0..keep`, slot `c` holding source expert
+/// `source[c]` once bound.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertSet {
+    /// `model.layers.3.mlp.experts.`
+    pub prefix: String,
+    /// Routed experts of the source layer.
+    pub num_experts: usize,
+    /// Experts kept.
+    pub keep: usize,
+    /// Kept source ids (ascending), once bound.
+    pub source: Option<Vec<usize>>,
+    /// The tensors of one expert (`gate_proj.weight`, ...) and their fate:
+    /// `Quantize(j)` (linear `linear_base + c · n_quantized + j` of slot `c`),
+    /// `Copy`, `ToBf16` or `Drop`.
+    pub leaves: Vec<(String, Action)>,
+    /// Index in [`Unit::linears`] of slot 0's first quantized leaf.
+    pub linear_base: usize,
+    /// Quantized leaves per expert.
+    pub n_quantized: usize,
+}
+
+impl ExpertSet {
+    /// Source tensor name of `leaf` for compact slot `c` (`None` while unbound).
+    pub fn source_of(&self, c: usize, leaf: &str) -> Option<String> {
+        let id = self.source.as_ref()?.get(c)?;
+        Some(format!("{}{id}.{leaf}", self.prefix))
+    }
 }
 
 /// A linear to quantize.
@@ -134,6 +181,8 @@ pub struct Unit {
     pub outputs: Vec<String>,
     /// Source bytes read by this unit.
     pub bytes_in: u64,
+    /// The routed experts, when this layer is pruned.
+    pub experts: Option<ExpertSet>,
 }
 
 /// The whole run, decided up front.
@@ -188,8 +237,92 @@ pub fn read_config(dir: &Path) -> Result<Value> {
     }
 }
 
+/// The decoder layers (MTP layers excluded) that hold routed experts.
+pub fn moe_layers(ckpt: &Checkpoint, config: &Value) -> Vec<usize> {
+    let arch = Architecture::detect(config);
+    let n_layers = num_hidden_layers(config);
+    ckpt.layers()
+        .into_iter()
+        .filter(|&l| !(arch.has_mtp && n_layers.is_some_and(|n| l >= n)))
+        .filter(|&l| {
+            ckpt.layer_tensors(l)
+                .iter()
+                .any(|n| arch.expert_of(n).is_some())
+        })
+        .collect()
+}
+
+/// The output tensors of unit `u`, in plan order.
+pub fn unit_specs(ckpt: &Checkpoint, u: &Unit, opts: &QuantOptions) -> Result<Vec<TensorSpec>> {
+    let (g, sym) = (opts.group_size, opts.symmetric);
+    let mut specs = Vec::new();
+    let keep = u.experts.as_ref().map_or(0, |x| x.keep);
+    for (name, action) in &u.tensors {
+        match action {
+            Action::Quantize(i) => {
+                let l = &u.linears[*i];
+                specs.extend(opts.format.specs(&l.module, l.n, l.k, g, sym));
+            }
+            Action::Copy => {
+                let t = ckpt.tensor(name)?;
+                specs.push(TensorSpec::new(name.clone(), t.dtype, t.shape.to_vec()));
+            }
+            Action::ToBf16 => {
+                let t = ckpt.tensor(name)?;
+                specs.push(TensorSpec::new(name.clone(), Dtype::BF16, t.shape.to_vec()));
+            }
+            Action::SliceRows => {
+                let t = ckpt.tensor(name)?;
+                let mut shape = t.shape.to_vec();
+                shape[0] = keep;
+                let dtype = if t.dtype == Dtype::F8_E4M3 {
+                    Dtype::BF16
+                } else {
+                    t.dtype
+                };
+                specs.push(TensorSpec::new(name.clone(), dtype, shape));
+            }
+            Action::Drop | Action::Expert => {}
+        }
+    }
+    if let Some(x) = &u.experts {
+        for c in 0..x.keep {
+            for (leaf, action) in &x.leaves {
+                let src = format!("{}0.{leaf}", x.prefix);
+                let out = format!("{}{c}.{leaf}", x.prefix);
+                match action {
+                    Action::Quantize(j) => {
+                        let l = &u.linears[x.linear_base + c * x.n_quantized + j];
+                        specs.extend(opts.format.specs(&l.module, l.n, l.k, g, sym));
+                    }
+                    Action::Copy => {
+                        let t = ckpt.tensor(&src)?;
+                        specs.push(TensorSpec::new(out, t.dtype, t.shape.to_vec()));
+                    }
+                    Action::ToBf16 => {
+                        let t = ckpt.tensor(&src)?;
+                        specs.push(TensorSpec::new(out, Dtype::BF16, t.shape.to_vec()));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    Ok(specs)
+}
+
 /// Builds and validates the plan.
 pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<RunPlan> {
+    build_with(ckpt, config, opts, None)
+}
+
+/// Builds and validates the plan of a run that may prune routed experts.
+pub fn build_with(
+    ckpt: &Checkpoint,
+    config: &Value,
+    opts: &QuantOptions,
+    prune: Option<&PruneSpec>,
+) -> Result<RunPlan> {
     let spec = opts.grid_spec();
     spec.validate()
         .map_err(|e| Error::options("group_size", e.to_string()))?;
@@ -250,6 +383,7 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
     let mut unpackable: Vec<(String, String)> = Vec::new();
     let mut skipped: Vec<String> = Vec::new();
     let mut pulled: BTreeMap<String, (usize, String)> = BTreeMap::new();
+    let mut dropped_mtp: Vec<usize> = Vec::new();
     for layer in ckpt.layers() {
         let names = {
             let mut v: Vec<&str> = ckpt.layer_tensors(layer);
@@ -257,6 +391,37 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
             v
         };
         let mtp = arch.has_mtp && n_layers.is_some_and(|n| layer >= n);
+        let label = if mtp {
+            format!("mtp layer {layer}")
+        } else {
+            format!("layer {layer}")
+        };
+        let compact = prune.is_some_and(|p| p.layout == Layout::Compact);
+        if opts.stats_only || (mtp && compact) {
+            // Nothing of it is written: a statistics run, or an MTP layer whose
+            // experts cannot be scored (the compact config count would not fit it).
+            let mut bytes_in = 0u64;
+            let mut tensors = Vec::new();
+            for &name in &names {
+                bytes_in += ckpt.tensor(name)?.bytes.len() as u64;
+                tensors.push((name.to_string(), Action::Drop));
+            }
+            if !opts.stats_only {
+                dropped_mtp.push(layer);
+            }
+            units.push(Unit {
+                label,
+                key: format!("layer.{layer}"),
+                layer: Some(layer),
+                mtp,
+                tensors,
+                linears: Vec::new(),
+                outputs: Vec::new(),
+                bytes_in,
+                experts: None,
+            });
+            continue;
+        }
         // 1. Candidate linears and the user's wish.
         let mut want: BTreeMap<&str, bool> = BTreeMap::new();
         let mut routers: Vec<&str> = Vec::new();
@@ -267,6 +432,7 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
                 routers.push(module);
             } else if arch.is_linear(name, t.shape) {
                 let selected = !mtp
+                    && opts.quantize
                     && (opts.include.is_empty() || opts.include.iter().any(|p| p.matches(module)))
                     && !opts.exclude.iter().any(|p| p.matches(module))
                     && !(opts.default_excludes
@@ -369,12 +535,33 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
         // 4. Tensor fates and outputs.
         let mut linears = Vec::new();
         let mut tensors = Vec::new();
-        let mut outputs = Vec::new();
         let mut bytes_in = 0u64;
+        let pruned = prune
+            .filter(|_| !mtp)
+            .and_then(|p| p.keep.get(&layer).map(|&k| (p, k)));
+        let experts_module = match pruned {
+            Some((p, _)) => Some(expert_layout(ckpt, &arch, layer, &names, p.num_experts)?),
+            None => None,
+        };
         for &name in &names {
             let t = ckpt.tensor(name)?;
             bytes_in += t.bytes.len() as u64;
             let module = module_of(name);
+            if let (Some((p, _)), Some((em, _))) = (pruned, &experts_module) {
+                if arch.expert_of(name).is_some_and(|(m, _)| m == em) {
+                    tensors.push((name.to_string(), Action::Expert));
+                    continue;
+                }
+                let router = format!("{}.gate.", em.rsplit_once('.').map_or("", |x| x.0));
+                if p.layout == Layout::Compact
+                    && name.starts_with(&router)
+                    && !scale_of(name)
+                    && t.shape.first() == Some(&p.num_experts)
+                {
+                    tensors.push((name.to_string(), Action::SliceRows));
+                    continue;
+                }
+            }
             let quantize = name.ends_with(".weight") && want.get(module) == Some(&true);
             let action = if quantize {
                 let (n, k) = (t.shape[0], t.shape[1]);
@@ -395,20 +582,52 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
             };
             tensors.push((name.to_string(), action));
         }
-        for (name, action) in &tensors {
-            match action {
-                Action::Quantize(i) => {
-                    let l = &linears[*i];
-                    outputs.extend(
-                        opts.format
-                            .specs(&l.module, l.n, l.k, spec.group_size, spec.symmetric)
-                            .into_iter()
-                            .map(|s| s.name),
-                    );
-                }
-                Action::Copy | Action::ToBf16 => outputs.push(name.clone()),
-                Action::Drop => {}
+        // The kept experts, as compact slots.
+        let mut experts = None;
+        if let (Some((p, keep)), Some((em, leaves))) = (pruned, &experts_module) {
+            let prefix = format!("{em}.");
+            let linear_base = linears.len();
+            let mut fates = Vec::new();
+            let mut quantized = Vec::new();
+            for leaf in leaves {
+                let src = format!("{prefix}0.{leaf}");
+                let module = module_of(&src);
+                let action = if src.ends_with(".weight") && want.get(module) == Some(&true) {
+                    let t = ckpt.tensor(&src)?;
+                    quantized.push((
+                        leaf.strip_suffix(".weight").unwrap_or(leaf),
+                        t.shape[0],
+                        t.shape[1],
+                    ));
+                    Action::Quantize(quantized.len() - 1)
+                } else {
+                    fate_unquantized(&src)?
+                };
+                fates.push((leaf.clone(), action));
             }
+            let source = p.bound.get(&layer).cloned();
+            for c in 0..keep {
+                for (leaf, n, k) in &quantized {
+                    linears.push(LinearPlan {
+                        module: format!("{prefix}{c}.{leaf}"),
+                        weight: source
+                            .as_ref()
+                            .map(|s| format!("{prefix}{}.{leaf}.weight", s[c]))
+                            .unwrap_or_default(),
+                        n: *n,
+                        k: *k,
+                    });
+                }
+            }
+            experts = Some(ExpertSet {
+                prefix,
+                num_experts: p.num_experts,
+                keep,
+                source,
+                leaves: fates,
+                linear_base,
+                n_quantized: quantized.len(),
+            });
         }
         // 5. modules_to_not_convert of this layer.
         let mut skip: BTreeSet<String> = BTreeSet::new();
@@ -419,6 +638,21 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
         }
         for r in &routers {
             skip.insert((*r).to_string());
+        }
+        if let Some(x) = &experts {
+            // Unquantized experts by their compact names (the source ids do not exist in the output).
+            let em = x.prefix.trim_end_matches('.');
+            skip.retain(|m| arch.expert_of(m).is_none_or(|(p, _)| p != em));
+            for (leaf, a) in &x.leaves {
+                if let (Some(m), Action::Copy | Action::ToBf16) = (leaf.strip_suffix(".weight"), a)
+                {
+                    if want.contains_key(format!("{}0.{m}", x.prefix).as_str()) {
+                        for c in 0..x.keep {
+                            skip.insert(format!("{}{c}.{m}", x.prefix));
+                        }
+                    }
+                }
+            }
         }
         for ((parent, fused), members) in &groups {
             if members.iter().all(|m| !want[*m]) {
@@ -443,21 +677,22 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
             }
         }
         not_convert.extend(skip);
-        let label = if mtp {
-            format!("mtp layer {layer}")
-        } else {
-            format!("layer {layer}")
-        };
-        units.push(Unit {
+        let mut unit = Unit {
             label,
             key: format!("layer.{layer}"),
             layer: Some(layer),
             mtp,
             tensors,
             linears,
-            outputs,
+            outputs: Vec::new(),
             bytes_in,
-        });
+            experts,
+        };
+        unit.outputs = unit_specs(ckpt, &unit, opts)?
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        units.push(unit);
     }
     if let Some((module, reason)) = unpackable.first() {
         let more = if unpackable.len() > 1 {
@@ -497,7 +732,11 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
         let mut bytes_in = 0u64;
         for name in rest {
             bytes_in += ckpt.tensor(name)?.bytes.len() as u64;
-            let action = fate_unquantized(name)?;
+            let action = if opts.stats_only {
+                Action::Drop
+            } else {
+                fate_unquantized(name)?
+            };
             if action != Action::Drop {
                 outputs.push(name.to_string());
             }
@@ -515,31 +754,22 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
                 linears: Vec::new(),
                 outputs,
                 bytes_in,
+                experts: None,
             },
         );
     }
+    if !dropped_mtp.is_empty() {
+        notes.push(format!(
+            "{} MTP layer(s) dropped ({:?}): their experts cannot be scored, and the compact expert count would not fit them",
+            dropped_mtp.len(),
+            dropped_mtp
+        ));
+    }
 
     // Output specs.
-    let g = spec.group_size;
     let mut specs = Vec::new();
     for u in &units {
-        for (name, action) in &u.tensors {
-            match action {
-                Action::Quantize(i) => {
-                    let l = &u.linears[*i];
-                    specs.extend(opts.format.specs(&l.module, l.n, l.k, g, spec.symmetric));
-                }
-                Action::Copy => {
-                    let t = ckpt.tensor(name)?;
-                    specs.push(TensorSpec::new(name.clone(), t.dtype, t.shape.to_vec()));
-                }
-                Action::ToBf16 => {
-                    let t = ckpt.tensor(name)?;
-                    specs.push(TensorSpec::new(name.clone(), Dtype::BF16, t.shape.to_vec()));
-                }
-                Action::Drop => {}
-            }
-        }
+        specs.extend(unit_specs(ckpt, u, opts)?);
     }
     let mut seen: HashMap<&str, ()> = HashMap::new();
     for s in &specs {
@@ -550,13 +780,13 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
             ));
         }
     }
-    if specs.is_empty() {
+    if specs.is_empty() && !opts.stats_only {
         return Err(Error::config(
             ckpt.path(),
             "the checkpoint holds no tensors",
         ));
     }
-    if units.iter().all(|u| u.linears.is_empty()) {
+    if units.iter().all(|u| u.linears.is_empty()) && opts.quantize && !opts.stats_only {
         notes.push(
             "no linear was selected for quantization; the output is an unquantized copy".into(),
         );
@@ -569,4 +799,75 @@ pub fn build(ckpt: &Checkpoint, config: &Value, opts: &QuantOptions) -> Result<R
         notes,
         fp8_source,
     })
+}
+
+/// The routed experts of a pruned layer: their module (`model.layers.3.mlp.experts`)
+/// and the tensor leaves of one expert (`gate_proj.weight`, ...), checked to be
+/// experts `0..e`, each with the same tensors, dtypes and shapes (a compact
+/// slot's shape is planned before the experts are chosen).
+fn expert_layout(
+    ckpt: &Checkpoint,
+    arch: &Architecture,
+    layer: usize,
+    names: &[&str],
+    e: usize,
+) -> Result<(String, Vec<String>)> {
+    let mut by_id: BTreeMap<usize, BTreeMap<String, &str>> = BTreeMap::new();
+    let mut module: Option<&str> = None;
+    for &name in names {
+        let Some((m, id)) = arch.expert_of(name) else {
+            continue;
+        };
+        if module.is_some_and(|x| x != m) {
+            return Err(Error::config(
+                ckpt.path(),
+                format!(
+                    "layer {layer} holds two sets of routed experts ({} and {m}); cannot prune it",
+                    module.unwrap_or_default()
+                ),
+            ));
+        }
+        module = Some(m);
+        let leaf = &name[m.len() + 1..];
+        let leaf = leaf.split_once('.').map_or(leaf, |x| x.1);
+        by_id.entry(id).or_default().insert(leaf.to_owned(), name);
+    }
+    let Some(m) = module else {
+        return Err(Error::config(
+            ckpt.path(),
+            format!("layer {layer} has no routed expert tensors to prune"),
+        ));
+    };
+    let ids: Vec<usize> = by_id.keys().copied().collect();
+    if ids != (0..e).collect::<Vec<_>>() {
+        return Err(Error::config(
+            ckpt.path(),
+            format!(
+                "{m}: expert ids are not exactly 0..{e} (config expert count {e}); cannot prune"
+            ),
+        ));
+    }
+    let first = &by_id[&0];
+    for (id, leaves) in &by_id {
+        if leaves.keys().ne(first.keys()) {
+            return Err(Error::config(
+                ckpt.path(),
+                format!(
+                    "{m}.{id}: tensors {:?} differ from expert 0's {:?}",
+                    leaves.keys().collect::<Vec<_>>(),
+                    first.keys().collect::<Vec<_>>()
+                ),
+            ));
+        }
+        for (leaf, name) in leaves {
+            let (a, b) = (ckpt.tensor(first[leaf])?, ckpt.tensor(name)?);
+            if a.dtype != b.dtype || a.shape != b.shape {
+                return Err(Error::config(
+                    b.file,
+                    format!("{name}: {} {:?} differs from expert 0's {} {:?}; experts must agree to be renumbered", b.dtype, b.shape, a.dtype, a.shape),
+                ));
+            }
+        }
+    }
+    Ok((m.to_owned(), first.keys().cloned().collect()))
 }

@@ -114,10 +114,21 @@ pub fn quantize(
     progress: &dyn Progress,
 ) -> Result<RunReport> {
     opts.validate()?;
-    if opts.method != Method::Rtn {
+    if opts.method == Method::Gptq {
         return Err(Error::options(
             "method",
-            "the native run is data-free (rtn); method gptq runs the calibration forward in Python: use forge.quantize_model or `forge-rs quantize --method gptq` with the Python package installed",
+            "the native run is data-free (rtn or none); method gptq runs the calibration forward in Python: use forge.quantize_model or `forge-rs quantize --method gptq` with the Python package installed",
+        ));
+    }
+    if opts.uses_calibration() {
+        let what = if opts.stats_only {
+            "stats_only"
+        } else {
+            "expert pruning with calib"
+        };
+        return Err(Error::options(
+            if opts.stats_only { "stats_only" } else { "calib" },
+            format!("{what} runs the calibration forward in Python: use `forge-rs prune` or forge.quantize_model with the Python package installed (the native run prunes from router_stats only)"),
         ));
     }
     let grid = opts.grid_mode()?;
@@ -188,8 +199,13 @@ pub(crate) fn source_fingerprint(ckpt: &Checkpoint) -> Result<Value> {
     Ok(json!({"files": files, "config_fnv": cfg_fnv}))
 }
 
-pub(crate) fn plan_fingerprint(plan: &RunPlan, shard_plan: &ShardPlan) -> String {
-    let mut h = fnv(shard_plan.index_json().as_bytes(), FNV0);
+pub(crate) fn plan_fingerprint(plan: &RunPlan, shard_plan: Option<&ShardPlan>) -> String {
+    let mut h = fnv(
+        shard_plan
+            .map_or_else(|| "no shards".into(), ShardPlan::index_json)
+            .as_bytes(),
+        FNV0,
+    );
     for m in &plan.not_convert {
         h = fnv(m.as_bytes(), h);
         h = fnv(b"\n", h);
@@ -230,6 +246,8 @@ pub(crate) enum Start {
         state: Option<(String, String)>,
         /// The interrupted run had begun publishing its shards.
         finishing: bool,
+        /// Expert bindings (MoE layer, kept ids) recorded by the interrupted run.
+        experts: Vec<(usize, Vec<usize>)>,
     },
 }
 
@@ -321,11 +339,32 @@ pub(crate) fn prepare_out_dir(
             ))
         });
         let finishing = m.get("finishing").is_some_and(Value::is_object);
+        let mut experts = Vec::new();
+        if let Some(map) = m.get("experts").and_then(Value::as_object) {
+            for (layer, ids) in map {
+                let parsed = layer
+                    .parse::<usize>()
+                    .ok()
+                    .zip(ids.as_array().and_then(|a| {
+                        a.iter()
+                            .map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()))
+                            .collect::<Option<Vec<usize>>>()
+                    }));
+                let Some(entry) = parsed else {
+                    return Err(Error::Resume {
+                        dir: out_dir.into(),
+                        reason: format!("{MANIFEST_FILE}: experts entry {layer:?} is not a layer and a list of ids; use --overwrite to start over"),
+                    });
+                };
+                experts.push(entry);
+            }
+        }
         return Ok(Start::Resume {
             lock,
             done,
             state,
             finishing,
+            experts,
         });
     }
     if !overwrite {
@@ -533,7 +572,7 @@ fn run(
     session.finish(&[])
 }
 
-fn quantize_unit(
+pub(crate) fn quantize_unit(
     session: &Session,
     i: usize,
     quantizer: &dyn LinearQuantizer,

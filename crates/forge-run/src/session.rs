@@ -35,6 +35,7 @@ use serde_json::{json, Value};
 use crate::lock::OutDirLock;
 use crate::options::{Method, Options};
 use crate::plan::{self, Action, RunPlan, Unit};
+use crate::prune::{Layout, PruneSpec};
 use crate::run::{
     copy_side_files, env_usize, fnv, prepare_out_dir, source_fingerprint, write_atomic, Start,
     ABORT_RENAMES_ENV, DISK_CHECK_ENV, FNV0, MANIFEST_FILE,
@@ -56,13 +57,15 @@ pub struct Session {
     opts: Options,
     model_dir: PathBuf,
     out_dir: PathBuf,
-    writer: ShardWriter,
+    /// `None` when the run writes no tensor (stats_only).
+    writer: Option<ShardWriter>,
     manifest_base: Value,
     done: BTreeSet<String>,
     state: Option<(String, String)>,
     /// Publication has begun: the shards already renamed into place.
     finishing: Option<BTreeSet<String>>,
     file_of: HashMap<String, String>,
+    prune: Option<PruneSpec>,
     /// Module → (unit, index into its linears).
     linear_of: HashMap<String, (usize, usize)>,
     notes: Vec<String>,
@@ -73,13 +76,20 @@ pub struct Session {
 }
 
 fn calib_fingerprint(opts: &Options) -> Result<Value> {
-    if opts.method != Method::Gptq {
+    if !opts.uses_calibration() {
         return Ok(Value::Null);
     }
     let Some(path) = &opts.calib else {
+        let why = if opts.method == Method::Gptq {
+            "method gptq"
+        } else if opts.stats_only {
+            "stats_only"
+        } else {
+            "expert pruning without router_stats"
+        };
         return Err(Error::options(
             "calib",
-            "a calibration file is required for method gptq (plain text, .jsonl with a \"text\" field, or token ids in .json/.pt)",
+            format!("a calibration file is required for {why} (plain text, .jsonl with a \"text\" field, or token ids in .json/.pt)"),
         ));
     };
     let meta = std::fs::metadata(path).map_err(Error::io("open calibration file", path))?;
@@ -119,8 +129,23 @@ impl Session {
         let ckpt = Checkpoint::open(model_dir)?;
         let config = plan::read_config(model_dir)?;
         let quant = opts.quant()?;
-        let plan = plan::build(&ckpt, &config, &quant)?;
-        let shard_plan = ShardPlan::new(plan.specs.iter().cloned(), quant.max_shard_bytes)?;
+        let arch = crate::arch::Architecture::detect(&config);
+        let prune = crate::prune::resolve(
+            opts,
+            &config,
+            &arch,
+            &plan::moe_layers(&ckpt, &config),
+            &model_dir.join("config.json"),
+        )?;
+        let plan = plan::build_with(&ckpt, &config, &quant, prune.as_ref())?;
+        let shard_plan = if plan.specs.is_empty() {
+            None
+        } else {
+            Some(ShardPlan::new(
+                plan.specs.iter().cloned(),
+                quant.max_shard_bytes,
+            )?)
+        };
         let calib = calib_fingerprint(opts)?;
         let manifest_base = json!({
             "format": MANIFEST_FORMAT,
@@ -129,7 +154,7 @@ impl Session {
             "options": opts.fingerprint(),
             "calibration": calib,
             "source": source_fingerprint(&ckpt)?,
-            "plan": crate::run::plan_fingerprint(&plan, &shard_plan),
+            "plan": crate::run::plan_fingerprint(&plan, shard_plan.as_ref()),
         });
         let start = prepare_out_dir(
             model_dir,
@@ -138,37 +163,44 @@ impl Session {
             opts.overwrite,
             &manifest_base,
         )?;
-        check_free_space(out_dir, &shard_plan)?;
-        let (lock, writer, mut done, state, finishing) = match start {
-            Start::Fresh(lock) => (
-                lock,
-                ShardWriter::create(out_dir, shard_plan, &Default::default())?,
-                BTreeSet::new(),
-                None,
-                false,
-            ),
+        if let Some(sp) = &shard_plan {
+            check_free_space(out_dir, sp)?;
+        }
+        let (lock, fresh, mut done, state, finishing, bound) = match start {
+            Start::Fresh(lock) => (lock, true, BTreeSet::new(), None, false, Vec::new()),
             Start::Resume {
                 lock,
                 done,
                 state,
                 finishing,
+                experts,
             } => (
                 lock,
-                if finishing {
-                    // Shards renamed by the interrupted publication are taken as written.
-                    ShardWriter::reopen_publishing(out_dir, shard_plan, &Default::default())?
-                } else {
-                    ShardWriter::create_or_reopen(out_dir, shard_plan, &Default::default())?
-                },
+                false,
                 done.into_iter().collect(),
                 state,
                 finishing,
+                experts,
             ),
         };
+        let writer = match shard_plan {
+            None => None,
+            Some(sp) if fresh => Some(ShardWriter::create(out_dir, sp, &Default::default())?),
+            // Shards renamed by the interrupted publication are taken as written.
+            Some(sp) if finishing => Some(ShardWriter::reopen_publishing(
+                out_dir,
+                sp,
+                &Default::default(),
+            )?),
+            Some(sp) => Some(ShardWriter::create_or_reopen(
+                out_dir,
+                sp,
+                &Default::default(),
+            )?),
+        };
         let file_of: HashMap<String, String> = writer
-            .plan()
-            .shards()
             .iter()
+            .flat_map(|w| w.plan().shards().iter())
             .flat_map(|s| {
                 s.tensors
                     .iter()
@@ -176,10 +208,18 @@ impl Session {
             })
             .collect();
         let reopened: BTreeSet<String> = writer
-            .reopened_files()
-            .into_iter()
+            .iter()
+            .flat_map(|w| w.reopened_files())
             .map(str::to_owned)
             .collect();
+        let mut plan = plan;
+        // Expert bindings recorded by the interrupted run.
+        for (layer, ids) in bound {
+            bind_in_plan(&mut plan, prune.as_ref(), layer, &ids).map_err(|e| Error::Resume {
+                dir: out_dir.into(),
+                reason: format!("the manifest's expert binding of layer {layer} does not fit this run: {e}; use --overwrite"),
+            })?;
+        }
         // Take over the finished units whose shards survived intact, in order: a
         // unit whose bytes are lost ends the resumable prefix (later layers depend on it).
         let mut resumed = 0usize;
@@ -197,10 +237,13 @@ impl Session {
                     .get(o.as_str())
                     .is_some_and(|f| reopened.contains(f))
             });
-            let keep = ok && (intact || opts.method == Method::Rtn || u.layer.is_none());
+            let bound = u.experts.as_ref().is_none_or(|x| x.source.is_some());
+            let keep = ok && bound && (intact || !opts.uses_calibration() || u.layer.is_none());
             if keep {
-                for o in &u.outputs {
-                    writer.mark_written(o)?;
+                if let Some(w) = &writer {
+                    for o in &u.outputs {
+                        w.mark_written(o)?;
+                    }
                 }
                 resumed += 1;
                 resumed_bytes += u.bytes_in;
@@ -220,7 +263,7 @@ impl Session {
         let state = state.filter(|(key, file)| {
             Some(key) == last_layer.as_ref() && out_dir.join(STATE_DIR).join(file).is_file()
         });
-        if opts.method == Method::Gptq && state.is_none() && last_layer.is_some() {
+        if opts.uses_calibration() && state.is_none() && last_layer.is_some() {
             // Without the activations entering the next layer, the layers must be redone.
             for u in &plan.units {
                 if u.layer.is_some() && done.remove(&u.key) {
@@ -242,8 +285,8 @@ impl Session {
             .collect();
         let finishing = finishing.then(|| {
             writer
-                .published_files()
-                .into_iter()
+                .iter()
+                .flat_map(|w| w.published_files())
                 .map(str::to_owned)
                 .collect()
         });
@@ -262,6 +305,7 @@ impl Session {
             state,
             finishing,
             file_of,
+            prune,
             resumed,
             resumed_bytes,
             t0,
@@ -280,6 +324,18 @@ impl Session {
         };
         if let Some(renamed) = &self.finishing {
             m["finishing"] = json!({ "renamed": renamed });
+        }
+        let experts: serde_json::Map<String, Value> = self
+            .plan
+            .units
+            .iter()
+            .filter_map(|u| {
+                let ids = u.experts.as_ref()?.source.as_ref()?;
+                Some((u.layer?.to_string(), json!(ids)))
+            })
+            .collect();
+        if !experts.is_empty() {
+            m["experts"] = Value::Object(experts);
         }
         let text = serde_json::to_string_pretty(&m).unwrap_or_default() + "\n";
         write_atomic(&self.out_dir.join(MANIFEST_FILE), text.as_bytes())
@@ -360,25 +416,138 @@ impl Session {
     pub fn write_unquantized(&self, i: usize) -> Result<()> {
         use rayon::prelude::*;
         let u = self.unit(i)?;
-        u.tensors
-            .par_iter()
-            .try_for_each(|(name, action)| -> Result<()> {
-                match action {
-                    Action::Copy => self
-                        .writer
-                        .write_tensor(name, self.ckpt.tensor(name)?.bytes)?,
-                    Action::ToBf16 => {
-                        let v = self.ckpt.dequantized_f32(name)?;
-                        let b: Vec<u8> = v
-                            .iter()
-                            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                            .collect();
-                        self.writer.write_tensor(name, &b)?;
+        self.check_bound(u)?;
+        // (output name, source name, action): the unit's own tensors, then the
+        // unquantized tensors of the kept experts under their compact slots.
+        let mut jobs: Vec<(String, String, Action)> = u
+            .tensors
+            .iter()
+            .map(|(n, a)| (n.clone(), n.clone(), *a))
+            .collect();
+        if let Some(x) = &u.experts {
+            for c in 0..x.keep {
+                for (leaf, a) in &x.leaves {
+                    if let (Action::Copy | Action::ToBf16, Some(src)) = (a, x.source_of(c, leaf)) {
+                        jobs.push((format!("{}{c}.{leaf}", x.prefix), src, *a));
                     }
-                    Action::Quantize(_) | Action::Drop => {}
+                }
+            }
+        }
+        let keep_ids: &[usize] = u
+            .experts
+            .as_ref()
+            .and_then(|x| x.source.as_deref())
+            .unwrap_or_default();
+        jobs.par_iter()
+            .try_for_each(|(out, src, action)| -> Result<()> {
+                match action {
+                    Action::Copy => self.w()?.write_tensor(out, self.ckpt.tensor(src)?.bytes)?,
+                    Action::ToBf16 => {
+                        let v = self.ckpt.dequantized_f32(src)?;
+                        self.w()?.write_tensor(out, &bf16_bytes(&v))?;
+                    }
+                    Action::SliceRows => {
+                        let t = self.ckpt.tensor(src)?;
+                        let rows = t.shape.first().copied().unwrap_or(1).max(1);
+                        let b = if t.dtype == forge_io::Dtype::F8_E4M3 {
+                            let v = self.ckpt.dequantized_f32(src)?;
+                            let w = v.len() / rows;
+                            let sel: Vec<f32> = keep_ids
+                                .iter()
+                                .flat_map(|&r| v[r * w..(r + 1) * w].iter().copied())
+                                .collect();
+                            bf16_bytes(&sel)
+                        } else {
+                            let w = t.bytes.len() / rows;
+                            keep_ids
+                                .iter()
+                                .flat_map(|&r| t.bytes[r * w..(r + 1) * w].iter().copied())
+                                .collect()
+                        };
+                        self.w()?.write_tensor(out, &b)?;
+                    }
+                    Action::Quantize(_) | Action::Drop | Action::Expert => {}
                 }
                 Ok(())
             })
+    }
+
+    fn w(&self) -> Result<&ShardWriter> {
+        self.writer.as_ref().ok_or_else(|| {
+            Error::options(
+                "stats_only",
+                "this run writes no tensor (router statistics only)",
+            )
+        })
+    }
+
+    /// Fails when unit `u` is a pruned layer whose kept experts are not bound yet.
+    fn check_bound(&self, u: &Unit) -> Result<()> {
+        match &u.experts {
+            Some(x) if x.source.is_none() => Err(Error::options(
+                "bind_experts",
+                format!(
+                    "{}: the kept experts are not bound yet; call bind_experts({}, keep_ids) with {} ids before writing it",
+                    u.label,
+                    u.layer.unwrap_or_default(),
+                    x.keep
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The pruning of this run, if any.
+    pub fn pruning(&self) -> Option<&PruneSpec> {
+        self.prune.as_ref()
+    }
+
+    /// Binds the experts MoE decoder layer `layer` keeps (source ids, ascending):
+    /// its compact slot `c` is written from expert `keep_ids[c]`. Must come before
+    /// the layer is written; binding again with another set is an error. Recorded
+    /// in the resume manifest.
+    pub fn bind_experts(&mut self, layer: usize, keep_ids: &[usize]) -> Result<()> {
+        if bind_in_plan(&mut self.plan, self.prune.as_ref(), layer, keep_ids)? {
+            self.save_manifest()?;
+        }
+        Ok(())
+    }
+
+    /// Per bound MoE layer, the length-E map: compact id of each source expert, or −1.
+    pub fn expert_map(&self) -> std::collections::BTreeMap<usize, Vec<i64>> {
+        self.plan
+            .units
+            .iter()
+            .filter_map(|u| {
+                let x = u.experts.as_ref()?;
+                Some((
+                    u.layer?,
+                    crate::prune::expert_map(x.source.as_ref()?, x.num_experts),
+                ))
+            })
+            .collect()
+    }
+
+    /// Quantizes unit `i`'s planned linears data-free (the RTN run's grid,
+    /// format and device) and writes them.
+    pub fn quantize_rtn(&self, i: usize) -> Result<()> {
+        let u = self.unit(i)?;
+        self.check_bound(u)?;
+        if u.linears.is_empty() {
+            return Ok(());
+        }
+        let spec = self.opts.quant()?.grid_spec();
+        let grid = self.opts.grid_mode()?;
+        match self.opts.cuda_device()? {
+            Some(dev) => {
+                let q = crate::CudaRtnQuantizer::new(grid, dev)?;
+                crate::run::quantize_unit(self, i, &q, spec)
+            }
+            None => {
+                let q = crate::RtnQuantizer { mode: grid };
+                crate::run::quantize_unit(self, i, &q, spec)
+            }
+        }
     }
 
     fn linear(&self, module: &str) -> Result<&plan::LinearPlan> {
@@ -390,6 +559,16 @@ impl Session {
                     "module",
                     format!("{module:?} is not a linear this run quantizes"),
                 )
+            })
+            .and_then(|l| {
+                if l.weight.is_empty() {
+                    Err(Error::options(
+                        "bind_experts",
+                        format!("{module}: its layer's kept experts are not bound yet; call bind_experts first"),
+                    ))
+                } else {
+                    Ok(l)
+                }
             })
     }
 
@@ -404,7 +583,7 @@ impl Session {
             source: Box::new(e),
         })?;
         for (suffix, bytes) in packed {
-            self.writer
+            self.w()?
                 .write_tensor(&format!("{}.{suffix}", l.module), &bytes)?;
         }
         Ok(())
@@ -436,7 +615,7 @@ impl Session {
         let missing: Vec<&str> = u
             .outputs
             .iter()
-            .filter(|o| !self.writer.is_written(o))
+            .filter(|o| !self.writer.as_ref().is_some_and(|w| w.is_written(o)))
             .map(String::as_str)
             .collect();
         if let Some(first) = missing.first() {
@@ -455,7 +634,7 @@ impl Session {
             .filter_map(|o| self.file_of.get(o.as_str()).map(String::as_str))
             .collect();
         for f in files {
-            self.writer.sync(f)?;
+            self.w()?.sync(f)?;
         }
         let previous = self.state.take();
         if let Some(p) = state {
@@ -497,7 +676,10 @@ impl Session {
                 reason: format!("{} was never committed; the run is not finished", u.label),
             });
         }
-        self.publish_shards()?;
+        if self.writer.is_some() {
+            self.publish_shards()?;
+        }
+        let pruning_block = self.pruning_block();
         let Session {
             ckpt: _,
             config,
@@ -509,13 +691,17 @@ impl Session {
             mut notes,
             resumed,
             t0,
+            prune,
             _lock: lock,
             ..
         } = self;
-        let n_shards = writer.plan().shards().len();
-        let bytes_out = writer.plan().total_bytes();
-        writer.write_index()?;
-        copy_side_files(&model_dir, &out_dir, &mut notes)?;
+        let (n_shards, bytes_out) = writer.as_ref().map_or((0, 0), |w| {
+            (w.plan().shards().len(), w.plan().total_bytes())
+        });
+        if let Some(w) = writer {
+            w.write_index()?;
+            copy_side_files(&model_dir, &out_dir, &mut notes)?;
+        }
         for (name, bytes) in extra {
             // A plain name, or one inside the report folder `forge/`.
             let (dir, file) = match name.split_once('/') {
@@ -532,7 +718,8 @@ impl Session {
             std::fs::create_dir_all(&dir).map_err(Error::io("create directory", &dir))?;
             write_atomic(&dir.join(file), bytes)?;
         }
-        let mut cfg = if config.is_object() {
+        let write_config = n_shards > 0;
+        let mut cfg = if config.is_object() || !write_config {
             config.clone()
         } else {
             notes.push(
@@ -550,14 +737,45 @@ impl Session {
         if let Some(obj) = cfg.as_object_mut() {
             obj.remove("quantization_config");
             obj.remove("compression_config");
-            obj.insert(
-                "quantization_config".into(),
-                opts.format
-                    .quantization_config(&quant, &plan.not_convert, has_lm_head),
-            );
+            if opts.method != Method::None {
+                obj.insert(
+                    "quantization_config".into(),
+                    opts.format
+                        .quantization_config(&quant, &plan.not_convert, has_lm_head),
+                );
+            }
         }
-        let text = serde_json::to_string_pretty(&cfg).unwrap_or_default() + "\n";
-        write_atomic(&out_dir.join("config.json"), text.as_bytes())?;
+        if let (Some(p), Some(block)) = (&prune, pruning_block) {
+            if p.layout == Layout::Compact {
+                let k = p.keep.values().next().copied().unwrap_or(p.num_experts);
+                let key = p.count_key;
+                let at_top = cfg.get(key).is_some();
+                let target = if at_top {
+                    Some(&mut cfg)
+                } else {
+                    cfg.get_mut("text_config")
+                };
+                if let Some(obj) = target.and_then(Value::as_object_mut) {
+                    obj.insert(key.into(), json!(k));
+                }
+                // The MTP layers were dropped (see the plan's notes).
+                if let Some(obj) = cfg
+                    .as_object_mut()
+                    .filter(|_| plan.units.iter().any(|u| u.mtp))
+                {
+                    if obj.contains_key("num_nextn_predict_layers") {
+                        obj.insert("num_nextn_predict_layers".into(), json!(0));
+                    }
+                }
+            }
+            if let Some(obj) = cfg.as_object_mut() {
+                obj.insert(crate::prune::CONFIG_KEY.into(), block);
+            }
+        }
+        if write_config {
+            let text = serde_json::to_string_pretty(&cfg).unwrap_or_default() + "\n";
+            write_atomic(&out_dir.join("config.json"), text.as_bytes())?;
+        }
         let state_dir = out_dir.join(STATE_DIR);
         if state_dir.is_dir() {
             std::fs::remove_dir_all(&state_dir).map_err(Error::io("remove", &state_dir))?;
@@ -584,19 +802,36 @@ impl Session {
 }
 
 impl Session {
+    /// The `forge_expert_pruning` block of config.json (every pruned layer bound).
+    fn pruning_block(&self) -> Option<Value> {
+        let p = self.prune.as_ref()?;
+        let map: serde_json::Map<String, Value> = self
+            .expert_map()
+            .into_iter()
+            .map(|(l, m)| (l.to_string(), json!(m)))
+            .collect();
+        Some(json!({
+            "layout": p.layout.name(),
+            "criterion": p.criterion.name(),
+            "num_original_experts": p.num_experts,
+            "expert_map": map,
+        }))
+    }
+
     /// Renames every shard into place, recording each in the manifest.
     fn publish_shards(&mut self) -> Result<()> {
-        self.writer.check_complete()?;
+        let w = self.w()?;
+        w.check_complete()?;
         if self.finishing.is_none() {
             self.finishing = Some(BTreeSet::new());
         }
         self.save_manifest()?;
-        self.writer.remove_stale_index()?;
+        self.w()?.remove_stale_index()?;
         let abort_after = env_usize(ABORT_RENAMES_ENV);
-        let n = self.writer.plan().shards().len();
+        let n = self.w()?.plan().shards().len();
         let mut renamed = 0usize;
         for i in 0..n {
-            let name = self.writer.publish_shard(i)?.to_owned();
+            let name = self.w()?.publish_shard(i)?.to_owned();
             let fresh = self.finishing.as_mut().is_some_and(|r| r.insert(name));
             if fresh {
                 self.save_manifest()?;
@@ -608,6 +843,63 @@ impl Session {
         }
         Ok(())
     }
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+        .collect()
+}
+
+/// Binds `layer`'s kept experts in the plan (the compact slots' source
+/// weights). `Ok(true)` when the binding is new, `Ok(false)` when the same one
+/// was already there.
+fn bind_in_plan(
+    plan: &mut RunPlan,
+    prune: Option<&PruneSpec>,
+    layer: usize,
+    keep_ids: &[usize],
+) -> Result<bool> {
+    let Some(spec) = prune else {
+        return Err(Error::options(
+            "bind_experts",
+            "this run prunes no experts (no keep_experts, prune_ratio or keep_mass)",
+        ));
+    };
+    spec.check_keep_ids(layer, keep_ids)?;
+    let Some(u) = plan
+        .units
+        .iter_mut()
+        .find(|u| u.layer == Some(layer) && u.experts.is_some())
+    else {
+        return Err(Error::options(
+            "layer",
+            format!("layer {layer} is not a pruned MoE layer of this run"),
+        ));
+    };
+    let Some(x) = u.experts.as_mut() else {
+        return Ok(false);
+    };
+    if let Some(prev) = &x.source {
+        if prev.as_slice() == keep_ids {
+            return Ok(false);
+        }
+        return Err(Error::options(
+            "bind_experts",
+            format!("layer {layer} is already bound to experts {prev:?}; it cannot be bound again to {keep_ids:?}"),
+        ));
+    }
+    x.source = Some(keep_ids.to_vec());
+    for (c, id) in keep_ids.iter().enumerate() {
+        for (leaf, a) in &x.leaves {
+            if let Action::Quantize(j) = a {
+                if let Some(l) = u.linears.get_mut(x.linear_base + c * x.n_quantized + j) {
+                    l.weight = format!("{}{id}.{leaf}", x.prefix);
+                }
+            }
+        }
+    }
+    Ok(true)
 }
 
 /// Bytes the shards still need on disk: their planned size less what their

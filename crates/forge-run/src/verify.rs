@@ -185,6 +185,19 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
             }
         }
     }
+    if !dir.join("config.json").exists()
+        && !dir.join(INDEX_FILE).exists()
+        && !dir.join("model.safetensors").exists()
+        && dir.join(crate::prune::STATS_FILE).is_file()
+    {
+        problems.push(format!(
+            "holds router statistics only ({}, from a stats_only run), not a checkpoint",
+            crate::prune::STATS_FILE
+        ));
+        r.format = "none".into();
+        r.problems = problems;
+        return Ok(r);
+    }
     let config = match read_json_file(&dir.join("config.json"), MAX_JSON_BYTES) {
         Ok(v) => v.unwrap_or(Value::Null),
         Err(e) => {
@@ -263,7 +276,10 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
     let mut format = OutputFormat::Awq;
     let mut symmetric = false;
     let mut not_convert: Vec<String> = Vec::new();
-    if q.is_null() {
+    let unquantized_copy = q.is_null() && !ckpt.names().any(|n| quantized_part(n).is_some());
+    if unquantized_copy {
+        // An unquantized output (method none): nothing to check in a quantization_config.
+    } else if q.is_null() {
         problems.push("config.json has no quantization_config".into());
     } else {
         let method = q.get("quant_method").and_then(Value::as_str);
@@ -279,7 +295,11 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
         symmetric = sym;
     }
     r.group_size = g;
-    r.format = format.name().into();
+    r.format = if unquantized_copy {
+        "none".into()
+    } else {
+        format.name().into()
+    };
     let skipped = |module: &str| not_convert.iter().any(|s| format.skips(s, module));
     let arch = Architecture::detect(&config);
     let n_layers = num_hidden_layers(&config).filter(|&n| {
@@ -388,8 +408,11 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
             .or_default()
             .insert(leaf.to_owned());
     }
+    let per_layer = pruned_counts(&config, n_experts, &mut problems);
     for (module, by_id) in &experts {
-        if let Some(count) = n_experts {
+        let layer_count =
+            forge_io::split_layer_name(module).and_then(|(_, l)| per_layer.get(&l).copied());
+        if let Some(count) = layer_count.or(n_experts) {
             if let Some((&bad, _)) = by_id.range(count..).next() {
                 problems.push(format!("{module}.{bad}: expert id ≥ the configured expert count {count} (vLLM raises KeyError)"));
             }
@@ -444,6 +467,111 @@ pub fn check(dir: &Path) -> Result<VerifyReport> {
     Ok(r)
 }
 
+/// The experts of each remapped layer (per-layer counts of a `remap`
+/// pruning block); checks the block itself (compact ids dense `0..k`, maps
+/// of the original length, compact layout agreeing with the config count).
+fn pruned_counts(
+    config: &Value,
+    n_experts: Option<usize>,
+    problems: &mut Vec<String>,
+) -> BTreeMap<usize, usize> {
+    let mut out = BTreeMap::new();
+    let Some(block) = config.get(crate::prune::CONFIG_KEY) else {
+        return out;
+    };
+    let key = crate::prune::CONFIG_KEY;
+    let layout = block.get("layout").and_then(Value::as_str).unwrap_or("");
+    if !["compact", "remap"].contains(&layout) {
+        problems.push(format!(
+            "config.json {key}.layout is {}, expected \"compact\" or \"remap\"",
+            shown(block, "layout")
+        ));
+        return out;
+    }
+    let e = block.get("num_original_experts").and_then(Value::as_u64);
+    let Some(maps) = block.get("expert_map").and_then(Value::as_object) else {
+        problems.push(format!(
+            "config.json {key}.expert_map is missing or not an object"
+        ));
+        return out;
+    };
+    for (layer, m) in maps {
+        let Ok(l) = layer.parse::<usize>() else {
+            problems.push(format!(
+                "config.json {key}.expert_map key {layer:?} is not a layer index"
+            ));
+            continue;
+        };
+        let ids: Option<Vec<i64>> = m
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_i64).collect());
+        let Some(ids) = ids.filter(|v| e.is_some_and(|e| v.len() as u64 == e)) else {
+            problems.push(format!(
+                "config.json {key}.expert_map[{layer}] is not a list of num_original_experts ({}) integers",
+                e.map_or("missing".into(), |e| e.to_string())
+            ));
+            continue;
+        };
+        let mut kept: Vec<i64> = ids.iter().copied().filter(|&x| x >= 0).collect();
+        kept.sort_unstable();
+        let k = kept.len();
+        if kept != (0..k as i64).collect::<Vec<_>>() || ids.iter().any(|&x| x < -1) {
+            problems.push(format!(
+                "config.json {key}.expert_map[{layer}]: compact ids must be 0..{k} once each, the others -1"
+            ));
+        }
+        // Compact ids follow the original order.
+        let in_order: Vec<i64> = ids.iter().copied().filter(|&x| x >= 0).collect();
+        if in_order.windows(2).any(|w| w[0] > w[1]) {
+            problems.push(format!(
+                "config.json {key}.expert_map[{layer}]: compact ids are not in the original expert order"
+            ));
+        }
+        if layout == "compact" && n_experts.is_some_and(|n| n != k) {
+            problems.push(format!(
+                "config.json {key}.expert_map[{layer}] keeps {k} experts, but the config's expert count is {}",
+                n_experts.unwrap_or(0)
+            ));
+        }
+        if layout == "remap" {
+            out.insert(l, k);
+        }
+    }
+    out
+}
+
+/// `config` with the expert count of a remapped `layer` (its pruning block) in place
+/// of the model's, for the expected layout of that layer.
+fn config_for_layer(config: &Value, arch: &Architecture, layer: usize) -> Value {
+    let k = config
+        .get(crate::prune::CONFIG_KEY)
+        .filter(|b| b.get("layout").and_then(Value::as_str) == Some("remap"))
+        .and_then(|b| b.pointer(&format!("/expert_map/{layer}")))
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter(|x| x.as_i64().is_some_and(|x| x >= 0))
+                .count()
+        });
+    let Some(k) = k else {
+        return config.clone();
+    };
+    let mut c = config.clone();
+    for key in arch.expert_count_keys {
+        for obj in [c.as_object_mut()].into_iter().flatten() {
+            if obj.contains_key(*key) {
+                obj.insert((*key).to_string(), json!(k));
+            }
+            if let Some(t) = obj.get_mut("text_config").and_then(Value::as_object_mut) {
+                if t.contains_key(*key) {
+                    t.insert((*key).to_string(), json!(k));
+                }
+            }
+        }
+    }
+    c
+}
+
 /// Every layer and every linear `config.json` implies is present with the
 /// implied shape (quantized `[K, N/8]` or unquantized `[N, K]`); embedding and
 /// `lm_head` agree with `hidden_size` / `vocab_size`.
@@ -469,7 +597,8 @@ fn check_expected_layout(
             );
             continue;
         }
-        let expected = match expected_linears(arch, config, layer) {
+        let layer_config = config_for_layer(config, arch, layer);
+        let expected = match expected_linears(arch, &layer_config, layer) {
             Ok(Some(e)) => e,
             Ok(None) => return,
             Err(e) => {
