@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     out = _native.cli_main(args)
     if isinstance(out, int):
         return out
-    # A calibrated run (--method gptq): the forward pass runs here, in Python.
+    # A calibrated run (--method gptq, or pruning / router statistics from calibration text):
+    # the forward pass runs here, in Python.
     signal.signal(signal.SIGINT, prev)
+    if out[0] == "prune":
+        return _calibrate_main(*out[1:])
     return _calibrate_main(*out)
 
 
@@ -100,9 +103,10 @@ def _calibrate_main(model_dir: str, out_dir: str, options: dict, as_json: bool) 
     if as_json:
         print(json.dumps(r.__dict__, indent=2))
     else:
+        what = "router statistics" if options.get("stats_only") else f"{r.quantized} linears quantized"
         print(
-            f"quantized {r.quantized} linears ({r.arch} family, {r.quantizer}) in {r.seconds:.1f}s "
-            f"into {r.shards} shard(s); report: {out_dir}/forge/report.md",
+            f"{what} ({r.arch} family, {r.quantizer}) in {r.seconds:.1f}s into {r.shards} shard(s); "
+            f"report: {out_dir}/forge/report.md",
             file=sys.stderr,
         )
     return 0

@@ -138,9 +138,10 @@ def prune_model(
 ) -> QuantizeReport:
     """Prunes the routed experts a domain does not use, and optionally quantizes the rest.
 
-    Same options as :func:`quantize_model` (and the same as ``forge-rs prune`` flags), but
-    ``method`` defaults to ``"none"`` (a bf16 checkpoint; ``"rtn"`` or ``"gptq"`` quantize the
-    kept experts and the rest of the model in the same run). Pruning options:
+    Same options as :func:`quantize_model` (and the same as ``forge-rs prune`` flags): the kept
+    experts and the rest of the model are quantized in the same run (``method="rtn"``, the
+    default, or ``"gptq"``), or not at all with ``method="none"`` (a bf16 checkpoint). Pruning
+    options:
 
     * ``keep_experts`` (routed experts kept per MoE layer) or ``prune_ratio`` (fraction pruned);
       with DeepSeek's group-limited routing the same number is kept from every group.
@@ -158,7 +159,6 @@ def prune_model(
     The output holds ``forge/expert_map.{pt,json}``, ``forge/pruning.{md,json}`` and
     ``forge/router_stats.{safetensors,json,png}`` beside the weights.
     """
-    options.setdefault("method", "none")
     return quantize_model(model_dir, out_dir, **options)
 
 
