@@ -341,12 +341,27 @@ def _solve_batch(
 
 
 def hessian_error_of(w: torch.Tensor, s: _Solved, h: torch.Tensor | None) -> None:
-    """Adds GPTQ's and RTN's (same grid) relative output errors to ``s``'s report row."""
+    """Adds GPTQ's and RTN's (same grid) relative output errors to ``s``'s report row.
+
+    On CUDA the three products ``[W−Ŵ_gptq; W−Ŵ_rtn; W] · H`` run as one bf16 matmul with fp32
+    accumulation (tensor cores; a report figure, good to ~3 significant digits), with one host
+    sync; on the CPU, :func:`hessian_error` in fp32."""
     if h is None:
         s.info.update(err_gptq=None, err_rtn=None)
         return
     with PHASES("report errors"):
         wd = w.to(h.device).float()
+        if h.is_cuda:
+            n = wd.shape[0]
+            a = torch.cat([wd - s.deq.to(h.device).float(), wd - _rtn_dequant(wd, s.grid), wd])
+            ab = a.to(torch.bfloat16)
+            e = (torch.mm(ab, h.to(torch.bfloat16), out_dtype=torch.float32) * a).view(3, n, -1).sum((1, 2))
+            num_g, num_r, den = e.tolist()
+            s.info.update(
+                err_gptq=num_g / den if den > 0 else 0.0,
+                err_rtn=num_r / den if den > 0 else 0.0,
+            )
+            return
         s.info.update(
             err_gptq=hessian_error(wd, s.deq.to(h.device), h),
             err_rtn=hessian_error(wd, _rtn_dequant(wd, s.grid), h),
