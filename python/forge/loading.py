@@ -641,6 +641,13 @@ def load_quantized(
         raise CheckpointError(f"{root}: not a directory")
     cfg_path = root / "config.json"
     raw_cfg = read_checkpoint_config(root)
+    pruning = raw_cfg.get("forge_expert_pruning")
+    if isinstance(pruning, dict) and pruning.get("layout") == "remap":
+        raise CheckpointError(
+            f"{cfg_path}: a remap-layout pruned checkpoint (forge_expert_pruning.layout = 'remap'): its "
+            "routing over the original experts runs in vLLM with forge's plugin (forge.vllm_plugin); "
+            "prune with the default compact layout to run it here or in stock vLLM"
+        )
     qc = raw_cfg.get("quantization_config")
     if not isinstance(qc, dict):
         raise CheckpointError(f"{cfg_path}: no quantization_config (not a quantized checkpoint)")
