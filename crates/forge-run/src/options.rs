@@ -691,4 +691,78 @@ mod tests {
             .to_string();
         assert!(e.contains("damp"), "{e}");
     }
+
+    #[test]
+    fn pruning_refusals_name_the_option() {
+        let dir = tempfile::tempdir().unwrap();
+        let st = dir.path().join("s.safetensors");
+        std::fs::write(&st, b"x").unwrap();
+        let st = st.display().to_string();
+        for (v, k) in [
+            (json!({"keep_experts": 0, "calib": "c"}), "keep_experts"),
+            (json!({"prune_ratio": 1.0, "calib": "c"}), "prune_ratio"),
+            (json!({"prune_ratio": 0.0, "calib": "c"}), "prune_ratio"),
+            (
+                json!({"prune_ratio": 0.5, "keep_experts": 4, "calib": "c"}),
+                "prune_ratio",
+            ),
+            (json!({"keep_experts": 4}), "keep_experts"),
+            (
+                json!({"keep_mass": 0.9, "remap": true, "calib": "c"}),
+                "keep_mass",
+            ),
+            (json!({"keep_mass": 0.9, "router_stats": st}), "keep_mass"),
+            (
+                json!({"keep_mass": 1.5, "remap": true, "router_stats": st}),
+                "keep_mass",
+            ),
+            (
+                json!({"keep_mass": 0.5, "keep_experts": 2, "remap": true, "router_stats": st}),
+                "keep_mass",
+            ),
+            (
+                json!({"keep_mass": 0.5, "remap": true, "router_stats": st, "criterion": "random"}),
+                "keep_mass",
+            ),
+            (
+                json!({"sparse_forward": true, "calib": "c", "keep_experts": 2}),
+                "sparse_forward",
+            ),
+            (json!({"stats_only": true}), "stats_only"),
+            (
+                json!({"stats_only": true, "calib": "c", "keep_experts": 2}),
+                "stats_only",
+            ),
+            (
+                json!({"router_stats": "/nonexistent/s.safetensors", "keep_experts": 2}),
+                "router_stats",
+            ),
+            (json!({"criterion": "loudest"}), "criterion"),
+        ] {
+            let e = Options::from_json(&v).unwrap_err().to_string();
+            assert!(e.contains(k), "{v}: {e}");
+        }
+        let ok = Options::from_json(&json!({"keep_mass": 0.5, "remap": true, "router_stats": st}))
+            .unwrap();
+        assert!(ok.prunes() && !ok.uses_calibration());
+        let sparse = Options::from_json(
+            &json!({"sparse_forward": true, "criterion": "frequency", "calib": "c", "keep_experts": 2}),
+        )
+        .unwrap();
+        assert!(sparse.uses_calibration());
+        let none = Options::from_json(&json!({"method": "none"})).unwrap();
+        assert_eq!(none.quantizer_name(), "none");
+        assert!(!none.quant().unwrap().quantize);
+        // Pruning keys and the statistics' content are byte keys.
+        let a = Options::from_json(&json!({"keep_experts": 4, "router_stats": st})).unwrap();
+        let b = Options::from_json(&json!({"keep_experts": 5, "router_stats": st})).unwrap();
+        assert_ne!(a.fingerprint(), b.fingerprint());
+        let before = a.fingerprint();
+        std::fs::write(&st, b"y2").unwrap();
+        assert_ne!(before, a.fingerprint());
+        assert!(Options::default()
+            .fingerprint()
+            .get("keep_experts")
+            .is_none());
+    }
 }

@@ -227,7 +227,8 @@ pub fn keep_for_mass(scores: &[f64], fraction: f32) -> usize {
     if total <= 0.0 {
         return 1;
     }
-    let target = f64::from(fraction) * total * (1.0 - 1e-12);
+    // The fraction comes as f32: allow its rounding (0.8f32 is 0.80000001).
+    let target = (f64::from(fraction) - 1e-6) * total;
     let mut cum = 0.0;
     for (i, x) in v.iter().enumerate() {
         cum += x;

@@ -240,11 +240,6 @@ impl Session {
             let bound = u.experts.as_ref().is_none_or(|x| x.source.is_some());
             let keep = ok && bound && (intact || !opts.uses_calibration() || u.layer.is_none());
             if keep {
-                if let Some(w) = &writer {
-                    for o in &u.outputs {
-                        w.mark_written(o)?;
-                    }
-                }
                 resumed += 1;
                 resumed_bytes += u.bytes_in;
             } else {
@@ -269,6 +264,14 @@ impl Session {
                 if u.layer.is_some() && done.remove(&u.key) {
                     resumed -= 1;
                     resumed_bytes -= u.bytes_in;
+                }
+            }
+        }
+        // Only now (the redo decision taken): the surviving units' outputs are written.
+        if let Some(w) = &writer {
+            for u in plan.units.iter().filter(|u| done.contains(&u.key)) {
+                for o in &u.outputs {
+                    w.mark_written(o)?;
                 }
             }
         }
