@@ -243,7 +243,9 @@ def test_remap_layout_follows_the_spec_routing(monkeypatch, src, ids_file, tmp_p
         ),
     )
     out = tmp_path / "remap"
-    forge.prune_model(src, out, **_opts(ids_file, keep_experts=3, remap=True, criterion="frequency", method="none"))
+    forge.prune_model(
+        src, out, **_opts(ids_file, keep_experts=3, remap=True, criterion="frequency", method="none")
+    )
     forge.verify(out)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["n_routed_experts"] == 8 and cfg["forge_expert_pruning"]["layout"] == "remap"
@@ -389,7 +391,17 @@ def test_pruning_resume_is_byte_identical(monkeypatch, src, ids_file, tmp_path):
 
 def test_cli_prune_stats_only_and_compact(src, ids_file, tmp_path):
     base = [sys.executable, "-m", "forge", "prune", str(src)]
-    common = ["--calib", str(ids_file), "--nsamples", "4", "--seqlen", "16", "--group-size", "32", "--no-progress"]
+    common = [
+        "--calib",
+        str(ids_file),
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "16",
+        "--group-size",
+        "32",
+        "--no-progress",
+    ]
     r = subprocess.run(
         base + [str(tmp_path / "s"), "--stats-only"] + common,
         capture_output=True,

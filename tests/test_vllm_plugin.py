@@ -455,6 +455,17 @@ def vllm_runs(tmp_path_factory):
             "remap_never": make_remap(biased, d / "remap_never", KEEP_UNIFORM),
             "remap_chosen": make_remap(orig, d / "remap_chosen", KEEP_UNEVEN),
         }
+        # forge's own writer: pruned from calibration statistics, compact and remap, bf16
+        ids = d / "calib_ids.json"
+        ids.write_text(
+            json.dumps(torch.randint(0, 256, (2000,), generator=torch.Generator().manual_seed(3)).tolist())
+        )
+        for name, kw in (("forge_compact", {}), ("forge_remap", {"remap": True})):
+            import forge
+
+            forge.prune_model(orig, d / name, calib=ids, nsamples=4, seqlen=32, keep_experts=4,
+                              criterion="frequency", method="none", progress=False, **kw)  # fmt: skip
+            folders[name] = d / name
         if kind == "qwen3_moe":
             n = read_folder(orig)[1]
             bad = expert_maps(n[count_key(n)], KEEP_UNEVEN)
@@ -537,6 +548,31 @@ def test_remap_with_chosen_pruned_experts_matches_reference(vllm_runs, kind):
     )
     assert d <= TOL, d
     assert d_plain > 10 * TOL, d_plain
+
+
+@requires_vllm
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_forge_written_pruned_checkpoints_in_vllm(vllm_runs, kind):
+    """Folders written by ``forge.prune_model``: the compact one through stock vLLM equals
+    transformers' forward of the same folder; the remap one through vLLM with the plugin equals
+    the original model with the routed output recomputed under the remap semantics, using the
+    expert map forge wrote."""
+    run = vllm_runs[kind]
+    res = run["res"]
+    r = res["forge_compact"]
+    assert r["ok"], r.get("trace")
+    hf, _ = hf_logits(run["folders"]["forge_compact"], r["prompts"])
+    d_compact = max_dlogit(vllm_prompt_logits(r), hf_prompt_rows(hf))
+    r = res["forge_remap"]
+    assert r["ok"], r.get("trace")
+    cfg = json.loads((run["folders"]["forge_remap"] / "config.json").read_text())
+    maps = {int(k): v for k, v in cfg["forge_expert_pruning"]["expert_map"].items()}
+    ref, _ = hf_logits(run["orig"], r["prompts"], maps=maps)
+    d_remap = max_dlogit(vllm_prompt_logits(r), hf_prompt_rows(ref))
+    print(
+        f"{kind} forge-written: max|dlogit| compact vs transformers = {d_compact:.3g}, remap vs reference = {d_remap:.3g}"
+    )
+    assert d_compact <= TOL and d_remap <= TOL, (d_compact, d_remap)
 
 
 @requires_vllm

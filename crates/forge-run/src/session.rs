@@ -751,15 +751,20 @@ impl Session {
         if let (Some(p), Some(block)) = (&prune, pruning_block) {
             if p.layout == Layout::Compact {
                 let k = p.keep.values().next().copied().unwrap_or(p.num_experts);
-                let key = p.count_key;
-                let at_top = cfg.get(key).is_some();
-                let target = if at_top {
-                    Some(&mut cfg)
-                } else {
-                    cfg.get_mut("text_config")
-                };
-                if let Some(obj) = target.and_then(Value::as_object_mut) {
-                    obj.insert(key.into(), json!(k));
+                // Every spelling of the family's expert count that the config carries (a
+                // Qwen-MoE config may hold both num_experts and num_local_experts), at the
+                // top level and in text_config.
+                for key in plan.arch.expert_count_keys {
+                    if let Some(o) = cfg.as_object_mut() {
+                        if o.contains_key(*key) {
+                            o.insert((*key).into(), json!(k));
+                        }
+                        if let Some(t) = o.get_mut("text_config").and_then(Value::as_object_mut) {
+                            if t.contains_key(*key) {
+                                t.insert((*key).into(), json!(k));
+                            }
+                        }
+                    }
                 }
                 // The MTP layers were dropped (see the plan's notes).
                 if let Some(obj) = cfg
