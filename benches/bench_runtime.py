@@ -1,25 +1,39 @@
-"""Decode tokens/s of a forged checkpoint (forge.load_quantized, W4A16) vs its bf16 original.
+"""Decode tokens/s of a forged checkpoint (forge.load_quantized, W4A16) vs its bf16 original,
+and the per-call cost of one AwqLinear vs a bf16 nn.Linear.
 
     python benches/bench_runtime.py FORGED_DIR ORIG_DIR [--device cpu|cuda] [--batch 1 16]
-        [--new-tokens 32] [--json out.json]
+        [--new-tokens 32] [--no-graphs] [--eager-too] [--micro] [--json out.json]
+    python benches/bench_runtime.py --micro-only [--json out.json]
 
-Greedy decoding with ``model.generate`` (``min_new_tokens = max_new_tokens``, so every row
-decodes the same count) after a 16-token prompt; tokens/s = batch * new_tokens / wall time of
-the generate call minus the prefill-only call. On CUDA both models use a static KV cache and
-``torch.compile(mode="reduce-overhead")`` (CUDA graphs). Each row is appended to the JSON
-file as soon as it is measured.
+Decode: greedy ``model.generate`` (``min_new_tokens = max_new_tokens``, so every row decodes
+the same count) after a 16-token prompt; tokens/s = batch * new_tokens / (wall time of the
+generate call minus the prefill-only call). On CUDA both models use a static KV cache, with
+which generate compiles the forward itself with ``mode="reduce-overhead"`` (CUDA graphs;
+mode ``graphs``); mode ``graph_step`` replays one hand-captured CUDA graph of a greedy decode
+step over a StaticCache (no generate loop: the models' own decode speed); ``--eager-too``
+adds eager generate rows (``disable_compile=True``).
+
+Micro (CUDA, ``--micro``): M = 1 bf16 activations, K x N = 4096 x 4096 and 7168 x 2048
+(in_features x out_features), G = 128. ``eager_us``: wall time per call of back-to-back
+eager calls (the host cost when the GPU keeps up); ``graph_us``: per call inside one CUDA
+graph of 64 calls (GPU time plus in-graph launch gaps). AwqLinear is timed through
+``module(x)`` (eager fast path), ``torch.ops.forge.awq_gemm`` (the dispatcher, as
+torch.compile calls it) and ``forge.awq_matmul`` (the validating functional API).
+
+On CUDA every model (and the micro bench) runs in its own child process, so a crash in one
+keeps the others' rows; each row is appended to the JSON file as soon as it is measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
-
-import forge
 
 
 def _sync(device: str) -> None:
@@ -27,71 +41,220 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _graphed(forward):
-    """``forward`` compiled with CUDA graphs; each call starts a new graph step and the logits
-    are copied out, so generate's next step may overwrite the graph's buffers."""
-    compiled = torch.compile(forward, mode="reduce-overhead")
-
-    def step(*args, **kwargs):
-        torch.compiler.cudagraph_mark_step_begin()
-        out = compiled(*args, **kwargs)
-        out.logits = out.logits.clone()
-        return out
-
-    return step
-
-
 @torch.no_grad()
-def decode_rate(model, batch: int, new_tokens: int, device: str, vocab: int) -> float:
+def decode_rate(model, batch: int, new_tokens: int, device: str, vocab: int, graphs: bool) -> float:
     ids = torch.randint(0, vocab, (batch, 16), generator=torch.Generator().manual_seed(0)).to(device)
     kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     if device.startswith("cuda"):
+        # a static cache on CUDA makes generate compile the forward itself (transformers'
+        # CompileConfig: inductor, mode="reduce-overhead", i.e. CUDA graphs); wrapping the
+        # forward in another torch.compile on top crashed (segfault in torch 2.11's static
+        # Triton launcher, or a Triton launcher TypeError), for bf16 and W4A16 alike
         kw["cache_implementation"] = "static"
-    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up (compiles, converts)
+        kw["disable_compile"] = not graphs
+    for _ in range(2):  # warm-up: compiles, records the graphs (prefill and decode shapes)
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
     times = {}
     for n in (1, new_tokens + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        _sync(device)
-        times[n] = time.perf_counter() - t0
+        best = float("inf")
+        for _ in range(2):
+            _sync(device)
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+        times[n] = best
     return batch * new_tokens / (times[new_tokens + 1] - times[1])
+
+
+@torch.no_grad()
+def graph_step_rate(model, batch: int, new_tokens: int, vocab: int) -> float:
+    """Greedy decode steps replayed from one hand-captured CUDA graph (forward over a
+    StaticCache, argmax into the next input, position + 1): the model's own decode speed,
+    without generate's per-token Python. tokens/s = batch * steps / wall time."""
+    from transformers import StaticCache
+
+    prompt = 16
+    steps = new_tokens
+    ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    cache = StaticCache(config=model.config, max_cache_len=prompt + 2 * steps + 8)
+    out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt, device="cuda"))
+    next_ids = out.logits[:, -1:].argmax(-1)
+    pos = torch.tensor([prompt], device="cuda")
+
+    def step():
+        logits = model(input_ids=next_ids, past_key_values=cache, cache_position=pos).logits
+        next_ids.copy_(logits[:, -1:].argmax(-1))
+        pos.add_(1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def _emit(row: dict) -> None:
+    print("ROW " + json.dumps(row), flush=True)
+
+
+def run_model(args) -> None:
+    import forge
+    from forge.evaluate import load_reference
+
+    name = args.one
+    if name == "w4a16":
+        model = forge.load_quantized(args.forged, device=args.device, tokenizer=False)[0]
+    else:
+        model = load_reference(args.original, device=args.device)[0]
+    model = model.eval()
+    vocab = model.config.get_text_config().vocab_size
+    cuda = args.device.startswith("cuda")
+    modes = ["graph_step", "graphs"] if cuda and args.graphs else ["eager"]
+    if args.eager_too and "graphs" in modes:
+        modes.append("eager")
+    for mode in modes:
+        for batch in args.batch:
+            row = {"bench": "decode", "model": name, "mode": mode, "device": args.device, "batch": batch}
+            row["new_tokens"] = args.new_tokens
+            try:
+                if mode == "graph_step":
+                    rate = graph_step_rate(model, batch, args.new_tokens, vocab)
+                else:
+                    rate = decode_rate(model, batch, args.new_tokens, args.device, vocab, mode == "graphs")
+                row["tokens_per_s"] = round(rate, 2)
+            except Exception as e:  # keep the other rows
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+            if args.device.startswith("cuda"):
+                row["gpu"] = torch.cuda.get_device_name()
+            _emit(row)
+        if mode == "graphs":
+            torch._dynamo.reset()
+            torch.compiler.reset()
+
+
+def _time_eager(fn, x, calls: int = 2000) -> float:
+    for _ in range(50):
+        fn(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _time_graph(fn, x, inner: int = 64, reps: int = 20) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn(x)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (reps * inner) * 1e3
+
+
+@torch.no_grad()
+def run_micro(args) -> None:
+    import forge
+    from forge.runtime import AwqLinear
+
+    g = 128
+    gen = torch.Generator().manual_seed(0)
+    for k, n in ((4096, 4096), (7168, 2048)):
+        qweight = torch.randint(-(2**31), 2**31, (k, n // 8), generator=gen, dtype=torch.int64).to(
+            torch.int32
+        )
+        qzeros = torch.randint(-(2**31), 2**31, (k // g, n // 8), generator=gen, dtype=torch.int64)
+        scales = (torch.rand(k // g, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
+        awq = AwqLinear.from_tensors(qweight, qzeros.to(torch.int32), scales, g).cuda()
+        dense = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        qw, qz, sc = awq.qweight, awq.qzeros, awq.scales
+        contestants = {
+            "AwqLinear": awq,
+            "torch.ops.forge.awq_gemm": lambda x: torch.ops.forge.awq_gemm(x, qw, qz, sc, g),
+            "forge.awq_matmul": lambda x: forge.awq_matmul(x, qw, qz, sc, g),
+            "nn.Linear bf16": dense,
+        }
+        for name, fn in contestants.items():
+            row = {"bench": "per_call", "impl": name, "m": 1, "k": k, "n": n, "group_size": g}
+            try:
+                row["eager_us"] = round(_time_eager(fn, x), 2)
+                row["graph_us"] = round(_time_graph(fn, x), 2)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+            row["gpu"] = torch.cuda.get_device_name()
+            _emit(row)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("forged")
-    p.add_argument("original")
+    p.add_argument("forged", nargs="?")
+    p.add_argument("original", nargs="?")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument(
         "--no-graphs", dest="graphs", action="store_false", help="eager (no torch.compile / CUDA graphs)"
     )
+    p.add_argument("--eager-too", action="store_true", help="also eager rows after the CUDA-graph ones")
+    p.add_argument("--micro", action="store_true", help="also the per-call AwqLinear vs nn.Linear rows")
+    p.add_argument("--micro-only", action="store_true")
     p.add_argument("--json", default="bench_runtime.json")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # child: w4a16 | bf16 | micro
     args = p.parse_args()
-    from forge.evaluate import load_reference
 
-    rows: list[dict] = []
+    if args.one == "micro":
+        return run_micro(args)
+    if args.one:
+        return run_model(args)
+
     out = Path(args.json)
-    loaders = {
-        "w4a16": lambda: forge.load_quantized(args.forged, device=args.device, tokenizer=False)[0],
-        "bf16": lambda: load_reference(args.original, device=args.device)[0],
-    }
-    for name, load in loaders.items():
-        model = load().eval()
-        if args.device.startswith("cuda") and args.graphs:
-            model.forward = _graphed(model.forward)
-        vocab = model.config.get_text_config().vocab_size
-        for batch in args.batch:
-            rate = decode_rate(model, batch, args.new_tokens, args.device, vocab)
-            row = {"model": name, "device": args.device, "batch": batch, "new_tokens": args.new_tokens}
-            row["tokens_per_s"] = round(rate, 2)
-            row["torch_threads"] = torch.get_num_threads()
-            rows.append(row)
+    rows: list[dict] = json.loads(out.read_text()) if out.exists() else []
+    children = []
+    if args.micro or args.micro_only:
+        children.append("micro")
+    if not args.micro_only:
+        children += ["w4a16", "bf16"]
+    for child in children:
+        cmd = [sys.executable, "-X", "faulthandler", __file__, *sys.argv[1:], "--one", child]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("ROW "):
+                rows.append(json.loads(line[4:]))
+                out.write_text(json.dumps(rows, indent=2))
+            print(line, end="", flush=True)
+        rc = proc.wait()
+        print(f"[{child}: exit {rc} after {time.perf_counter() - t0:.0f} s]", flush=True)
+        if rc != 0:
+            rows.append({"bench": child, "error": f"child exited with {rc}"})
             out.write_text(json.dumps(rows, indent=2))
-            print(json.dumps(row), flush=True)
-        del model
 
 
 if __name__ == "__main__":

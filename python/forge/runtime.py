@@ -5,8 +5,14 @@ Both keep the checkpoint's tensors as they are stored (``qweight`` int32 ``[K, N
 column ``8c + [0, 2, 4, 6, 1, 3, 5, 7][i]``; ``W[n, k] = (q - z) * s``) and pick a kernel by
 the activation's device:
 
-* CUDA: forge's fused W4A16 kernel through the ``torch.ops.forge.awq_gemm`` custom op, which
-  has a fake (meta) implementation, so ``torch.compile`` traces it and CUDA graphs capture it.
+* CUDA: forge's fused W4A16 kernel. Eager calls go straight to :func:`_cuda_gemm` (no
+  dispatcher round trip); under ``torch.compile`` the ``torch.ops.forge.awq_gemm`` custom op
+  (with a fake implementation) is traced instead, and runs the same function. Each call
+  allocates its output (and any split-K scratch) with torch's caching allocator, launches
+  on torch's current stream through one native call taking plain integers, and never
+  synchronises with the host, so ``torch.cuda.graph`` and ``mode="reduce-overhead"``
+  capture it. Kernel plans are cached per shape in Rust (first call per shape compiles or
+  loads the kernels and queries occupancy; later calls are a map lookup).
 * CPU: PyTorch's tinygemm int4 kernel (``aten._weight_int4pack_mm_for_cpu``) for bf16 and
   fp16 activations. The weight is converted once, on the first CPU forward of each dtype:
   codes are unpacked to ``[N, K]`` and repacked by ``aten._convert_weight_to_int4pack_for_cpu``;
@@ -22,12 +28,86 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import DTypeError, ShapeError
+from . import _native
+from .errors import DeviceError, DTypeError, ShapeError
 from .quant import awq_matmul, dequantize_awq, unpack_awq
 
 __all__ = ["AwqLinear", "AwqExperts", "awq_linear", "cpu_int4_supported"]
 
 PACK = 8  # int4 values per int32 word
+
+# --------------------------------------------------------------------------- CUDA path
+
+_GEMM_DTYPES = (torch.float16, torch.bfloat16)
+_AWQ_DTYPES = (("qweight", torch.int32), ("qzeros", torch.int32), ("scales", torch.float16))
+# split-K scratch bytes per (device, M, N, K, G), asked of the native plan once per shape
+_WORKSPACE: dict[tuple[int, int, int, int, int], int] = {}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(index: int) -> int:
+    """Raw handle of torch's current stream on CUDA device ``index`` (what
+    ``torch.cuda.current_stream(index).cuda_stream`` returns, without building a Stream)."""
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _cuda_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x (..., K) @ dequant(W).T`` on CUDA in ``x``'s dtype (fp16/bf16 natively; other
+    dtypes through fp16). Output and scratch come from torch's allocator on the current
+    stream, the kernel is launched on that stream, and nothing waits for the GPU."""
+    k, n = qweight.shape[0], scales.shape[-1]
+    dev = x.device
+    for (name, dtype), t in zip(_AWQ_DTYPES, (qweight, qzeros, scales), strict=True):
+        if t.device != dev:
+            raise DeviceError(f"{name}: expected a tensor on {dev} like x, got {t.device}")
+        if t.dtype != dtype:
+            raise DTypeError(f"{name}: expected {dtype}, got {t.dtype}")
+    if (
+        qweight.dim() != 2
+        or tuple(qzeros.shape) != (k // group_size, n // PACK)
+        or tuple(scales.shape) != (k // group_size, n)
+    ):
+        raise ShapeError(
+            f"AWQ tensors for group_size {group_size}: got qweight {tuple(qweight.shape)}, "
+            f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}"
+        )
+    if x.shape[-1] != k:
+        raise ShapeError(f"x: expected last dim {k} (in_features), got {tuple(x.shape)}")
+    qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
+    xa = x if x.dtype in _GEMM_DTYPES else x.to(torch.float16)
+    xa = xa.contiguous()
+    m = xa.numel() // k
+    y = torch.empty((*x.shape[:-1], n), dtype=xa.dtype, device=dev)
+    if m == 0:
+        return y.to(x.dtype)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    key = (index, m, n, k, group_size)
+    ws_bytes = _WORKSPACE.get(key)
+    if ws_bytes is None:
+        ws_bytes = _WORKSPACE[key] = _native.w4a16_workspace_bytes(index, m, n, k, group_size)
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+    _native.w4a16_launch(
+        xa.data_ptr(),
+        xa.dtype == torch.bfloat16,
+        m,
+        k,
+        n,
+        group_size,
+        qweight.data_ptr(),
+        qzeros.data_ptr(),
+        scales.data_ptr(),
+        y.data_ptr(),
+        0 if ws is None else ws.data_ptr(),
+        ws_bytes,
+        index,
+        _current_stream(index),
+    )
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
 
 # --------------------------------------------------------------------------- custom op
 
@@ -37,6 +117,8 @@ def awq_gemm(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """``x (..., K) @ dequant(W).T`` with forge's kernel (CUDA) or reference (CPU); ``x``'s dtype."""
+    if x.is_cuda:
+        return _cuda_gemm(x, qweight, qzeros, scales, group_size)
     return awq_matmul(x, qweight, qzeros, scales, group_size)
 
 
@@ -92,7 +174,11 @@ def awq_linear(
     k, n = qweight.shape[0], scales.shape[-1]
     if x.shape[-1] != k:
         raise ShapeError(f"x: expected last dim {k} (in_features), got {tuple(x.shape)}")
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        y = torch.ops.forge.awq_gemm(x, qweight, qzeros, scales, group_size)
+    elif x.is_cuda:
+        y = _cuda_gemm(x, qweight, qzeros, scales, group_size)
+    elif x.device.type != "cpu":
         y = torch.ops.forge.awq_gemm(x, qweight, qzeros, scales, group_size)
     elif cpu_int4_supported(k, n, group_size, x.dtype):
         key = (x.dtype, qweight.data_ptr(), qweight._version, qzeros._version, scales._version)

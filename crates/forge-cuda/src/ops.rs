@@ -13,10 +13,12 @@
 
 use crate::error::{CudaError, DrvExt, Result};
 use crate::kernels::Module;
-use crate::runtime::{device, launch, Device};
+use crate::runtime::{device, launch, Device, Func};
 use cudarc::driver::{result as dr, sys};
 use forge_core::grid::{GridSpec, MseSpec};
+use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::{Mutex, OnceLock};
 
 /// Where to launch: a device ordinal and a raw `CUstream` handle (0 = legacy default stream).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -405,13 +407,37 @@ const GEMV2_RINGS: usize = 4 * 8 * 928;
 /// measured faster — 36 vs 42–46 µs at K=7168 N=18432 — while it lost at M=4 and on
 /// N=2048; `FORGE_GEMV=3` forces it for every M <= GEMV3_MAX_M).
 fn gemv_version(m: usize, n: usize) -> usize {
-    match std::env::var("FORGE_GEMV").as_deref() {
-        Ok("1") => 1,
-        Ok("2") => 2,
-        Ok("3") if m <= GEMV3_MAX_M => 3,
+    match knobs().gemv {
+        Some(1) => 1,
+        Some(2) => 2,
+        Some(3) if m <= GEMV3_MAX_M => 3,
         _ if m == 1 && n >= 8192 => 3,
         _ => 1,
     }
+}
+
+/// Tuning knobs from the environment, read once per process (never per launch):
+/// `FORGE_GEMV=1|2|3` and `FORGE_GEMM_MT=1|2|4`.
+#[derive(Clone, Copy, Debug, Default)]
+struct Knobs {
+    gemv: Option<usize>,
+    gemm_mt: Option<usize>,
+}
+
+fn knobs() -> Knobs {
+    static KNOBS: OnceLock<Knobs> = OnceLock::new();
+    *KNOBS.get_or_init(|| {
+        let read = |name: &str, ok: &[usize]| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|v| ok.contains(v))
+        };
+        Knobs {
+            gemv: read("FORGE_GEMV", &[1, 2, 3]),
+            gemm_mt: read("FORGE_GEMM_MT", &[1, 2, 4]),
+        }
+    })
 }
 
 /// Largest M the SIMT GEMV (version 3) handles.
@@ -532,10 +558,7 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
         };
     }
     // FORGE_GEMM_MT=1|2|4 forces the m16 tiles per block of the tiled path (tuning aid).
-    let forced = std::env::var("FORGE_GEMM_MT")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|v| [1, 2, 4].contains(v));
+    let forced = knobs().gemm_mt;
     // Large M: 4 m16 tiles per block, unless that leaves the chip mostly idle (few N blocks).
     let mt = if let Some(f) = forced {
         f
@@ -584,6 +607,14 @@ fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
         .ok_or(CudaError::MissingKernel(name))
 }
 
+/// Key of a cached GEMM plan: device, activation dtype, M, N, K, group size.
+type PlanKey = (usize, DType, usize, usize, usize, usize);
+/// A GEMM plan with its kernel and (when K is split) the reduction kernel.
+type CachedPlan = (GemmPlan, Func, Option<Func>);
+
+/// The plan for a shape, computed once per (device, dtype, M, N, K, G) and then served from
+/// a process-wide cache: a launch costs one map lookup, no kernel-name formatting, no
+/// occupancy query and no environment read.
 fn plan_for(
     dev: &Device,
     act: DType,
@@ -591,7 +622,38 @@ fn plan_for(
     n: usize,
     k: usize,
     group_size: usize,
-) -> Result<(GemmPlan, crate::runtime::Func)> {
+) -> Result<CachedPlan> {
+    static PLANS: OnceLock<Mutex<HashMap<PlanKey, CachedPlan>>> = OnceLock::new();
+    let plans = PLANS.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = (dev.ordinal, act, m, n, k, group_size);
+    if let Some(p) = plans.lock().ok().and_then(|p| p.get(&key).copied()) {
+        return Ok(p);
+    }
+    let (plan, f) = plan_uncached(dev, act, m, n, k, group_size)?;
+    let reduce = if plan.splits > 1 {
+        Some(dev.function(if act == DType::F16 {
+            "w4a16_reduce_f16"
+        } else {
+            "w4a16_reduce_bf16"
+        })?)
+    } else {
+        None
+    };
+    let p = (plan, f, reduce);
+    if let Ok(mut map) = plans.lock() {
+        map.insert(key, p);
+    }
+    Ok(p)
+}
+
+fn plan_uncached(
+    dev: &Device,
+    act: DType,
+    m: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> Result<(GemmPlan, Func)> {
     // The GEMV path (power-of-two groups) depends on its shared memory for occupancy:
     // plan with an estimate first.
     let gemv_ok = group_size.is_power_of_two();
@@ -616,7 +678,7 @@ pub fn w4a16_workspace_bytes(
     let dev = device(device_ordinal)?;
     let mut bytes = 0;
     for act in [DType::F16, DType::Bf16] {
-        let (plan, _) = plan_for(dev, act, m, n, k, group_size)?;
+        let (plan, _, _) = plan_for(dev, act, m, n, k, group_size)?;
         if plan.splits > 1 {
             bytes = bytes.max(plan.splits * m * n * 4);
         }
@@ -678,7 +740,7 @@ pub unsafe fn w4a16_gemm_awq(
     check_align("scales", scales, 16)?;
     check_align("y", y, 2)?;
     let dev = dev_of(s)?;
-    let (plan, f) = plan_for(dev, act, m, n, k, group_size)?;
+    let (plan, f, reduce) = plan_for(dev, act, m, n, k, group_size)?;
     let (splits, k_chunk) = (plan.splits, plan.k_chunk);
     let block_x = plan.block_n;
     let threads = plan.threads as u32;
@@ -727,11 +789,7 @@ pub unsafe fn w4a16_gemm_awq(
         let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
         // SAFETY: as above; ws holds splits·M·N floats.
         unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p)? };
-        let fr = dev.function(if act == DType::F16 {
-            "w4a16_reduce_f16"
-        } else {
-            "w4a16_reduce_bf16"
-        })?;
+        let fr = reduce.ok_or_else(|| CudaError::MissingKernel("w4a16_reduce".into()))?;
         let (mut pws, mut py, mut sp, mut mn) = (ws, y, splits as i32, (m * n) as i64);
         let mut p = args!(pws, py, sp, mn);
         unsafe {

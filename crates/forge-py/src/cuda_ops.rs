@@ -291,3 +291,83 @@ pub fn cuda_status(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     d.set_item("device_count", st.device_count)?;
     Ok(d.into_any())
 }
+
+/// Bytes of split-K scratch the W4A16 GEMM needs for `(M, N, K, G)` on CUDA device
+/// `device` (0 when K is not split). Served from the plan cache after the first call.
+#[pyfunction]
+pub fn w4a16_workspace_bytes(
+    py: Python<'_>,
+    device: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> PyResult<usize> {
+    cu::w4a16_workspace_bytes(device, m, n, k, group_size).map_err(|e| cuda_err(py, e))
+}
+
+/// The W4A16 GEMM launch behind `forge::awq_gemm`, on plain integers: device pointers
+/// (`data_ptr()`), the raw stream handle (`torch.cuda.current_stream().cuda_stream`) and
+/// sizes. Nothing is allocated, read back or looked up in Python here: the caller allocates
+/// `y` (and the split-K `workspace` of [`w4a16_workspace_bytes`]) with torch on that stream
+/// and has checked dtypes, devices, shapes and contiguity; this checks sizes, alignment and
+/// the workspace size, and launches asynchronously (legal under CUDA-graph capture).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn w4a16_launch(
+    py: Python<'_>,
+    x: u64,
+    bf16: bool,
+    m: usize,
+    k: usize,
+    n: usize,
+    group_size: usize,
+    qweight: u64,
+    qzeros: u64,
+    scales: u64,
+    y: u64,
+    workspace: u64,
+    workspace_bytes: usize,
+    device: usize,
+    stream: u64,
+) -> PyResult<()> {
+    if workspace == 0 {
+        // never fall back to a driver allocation outside torch's caching allocator
+        let need =
+            cu::w4a16_workspace_bytes(device, m, n, k, group_size).map_err(|e| cuda_err(py, e))?;
+        if need > 0 {
+            return Err(raise(
+                py,
+                "InvalidValueError",
+                format!("workspace: {need} bytes of split-K scratch needed, got none"),
+            ));
+        }
+    }
+    let act = if bf16 {
+        cu::DType::Bf16
+    } else {
+        cu::DType::F16
+    };
+    // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
+    unsafe {
+        cu::w4a16_gemm_awq(
+            x,
+            act,
+            m,
+            k,
+            n,
+            group_size,
+            qweight,
+            qzeros,
+            scales,
+            y,
+            workspace,
+            workspace_bytes,
+            cu::Stream {
+                device,
+                handle: stream,
+            },
+        )
+    }
+    .map_err(|e| cuda_err(py, e))
+}
