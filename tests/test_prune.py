@@ -419,3 +419,22 @@ def test_cli_prune_stats_only_and_compact(src, ids_file, tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "c/config.json").read_text())["n_routed_experts"] == 4
     forge.verify(tmp_path / "c")
+
+
+@pytest.mark.cuda
+def test_pruning_run_on_cuda_agrees_with_the_cpu(src, ids_file, tmp_path):
+    """Statistics, pruning and GPTQ in one run on the GPU (bf16 forward): the router statistics
+    match the CPU run's (fp32) to bf16 precision, and the output verifies."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    kw = _opts(ids_file, method="gptq", keep_experts=6, criterion="mass")
+    forge.prune_model(src, tmp_path / "cpu", **kw)
+    forge.prune_model(src, tmp_path / "gpu", **dict(kw, device="cuda"))
+    forge.verify(tmp_path / "gpu")
+    a = read_tensors_file(tmp_path / "cpu/forge/router_stats.safetensors")
+    b = read_tensors_file(tmp_path / "gpu/forge/router_stats.safetensors")
+    assert torch.equal(a["layers"], b["layers"])
+    assert torch.equal(b["counts"].sum(1), a["counts"].sum(1))  # every token routed top_k times
+    torch.testing.assert_close(b["mass"], a["mass"], rtol=0.03, atol=0.5)
+    cfg = json.loads((tmp_path / "gpu/config.json").read_text())
+    assert cfg["n_routed_experts"] == 6
