@@ -43,7 +43,9 @@ CRITERIA = ["reap", "frequency", "random"]
 RATIOS = [0.25, 0.5]
 
 
-def perplexities(folder: Path, texts: dict[str, Path], tokenizer, windows: int, device: str) -> dict[str, float]:
+def perplexities(
+    folder: Path, texts: dict[str, Path], tokenizer, windows: int, device: str
+) -> dict[str, float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, _ = load_reference(folder, device=device, dtype=torch.float32)
@@ -94,7 +96,9 @@ def main() -> int:
         for ratio in RATIOS:
             for quant in ("none",) if args.no_gptq else ("none", "gptq"):
                 variant = f"{criterion}-{ratio}-{quant}"
-                if rows.find(variant=variant, text="pydocs_eval", windows=args.windows, nsamples=args.nsamples):
+                if rows.find(
+                    variant=variant, text="pydocs_eval", windows=args.windows, nsamples=args.nsamples
+                ):
                     continue
                 out = args.work / variant
                 t0 = time.perf_counter()
