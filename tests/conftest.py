@@ -189,3 +189,27 @@ def layer_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
 
 def is_close_rel(a: float, b: float, rel: float) -> bool:
     return math.isclose(a, b, rel_tol=rel)
+
+
+# ---------------------------------------------------------------------------------------
+# The calibrated-run tests' inputs (test_calibrate, test_prune): plain transformers models.
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    """A tiny random DeepSeek-V3 (MLA, sigmoid group-limited routing, shared expert, MTP layer)."""
+    from tiny_models import make_model
+
+    return make_model("deepseek", tmp_path_factory.mktemp("ds") / "deepseek")
+
+
+@pytest.fixture(scope="module")
+def ids_file(tmp_path_factory):
+    """4000 seeded random token ids (a calibration file)."""
+    import json
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (4000,), generator=g).tolist()
+    p = tmp_path_factory.mktemp("calib") / "ids.json"
+    p.write_text(json.dumps(ids))
+    return p

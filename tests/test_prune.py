@@ -31,20 +31,6 @@ from forge import calibrate, errors
 G = 32
 
 
-@pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_model("deepseek", tmp_path_factory.mktemp("ds") / "deepseek")
-
-
-@pytest.fixture(scope="module")
-def ids_file(tmp_path_factory) -> Path:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 256, (4000,), generator=g).tolist()
-    p = tmp_path_factory.mktemp("calib") / "ids.json"
-    p.write_text(json.dumps(ids))
-    return p
-
-
 def _opts(ids_file, **kw):
     o = dict(calib=ids_file, nsamples=8, seqlen=32, group_size=G, progress=False, chunk_tokens=64)
     o.update(kw)

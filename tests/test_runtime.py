@@ -22,7 +22,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 def ref_unpack(packed: torch.Tensor) -> torch.Tensor:
     """(..., R, N/8) int32 -> (..., R, N) int64 nibbles in AWQ column order."""
     w = packed.to(torch.int64) & 0xFFFFFFFF
-    out = torch.empty(*w.shape[:-1], w.shape[-1] * 8, dtype=torch.int64)
+    out = torch.empty(*w.shape[:-1], w.shape[-1] * 8, dtype=torch.int64, device=w.device)
     for i, col in enumerate(AWQ_ORDER):
         out[..., col::8] = (w >> (4 * i)) & 0xF
     return out

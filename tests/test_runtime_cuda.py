@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_runtime import ref_weight  # the CPU tests' plain-torch unpacker (device-agnostic)
 
 import forge
 from forge.runtime import AwqLinear
@@ -30,26 +31,8 @@ pytestmark = [
     ),
 ]
 
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-
-
-def ref_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """(R, N/8) int32 -> (R, N) int64 nibbles in AWQ column order."""
-    w = packed.to(torch.int64) & 0xFFFFFFFF
-    out = torch.empty(*w.shape[:-1], w.shape[-1] * 8, dtype=torch.int64, device=w.device)
-    for i, col in enumerate(AWQ_ORDER):
-        out[..., col::8] = (w >> (4 * i)) & 0xF
-    return out
-
-
-def ref_weight(qweight, qzeros, scales, group: int) -> torch.Tensor:
-    """W (N, K) float32: (q - z) * s."""
-    q = ref_unpack(qweight)
-    z = ref_unpack(qzeros).repeat_interleave(group, dim=-2)
-    s = scales.float().repeat_interleave(group, dim=-2)
-    return ((q - z).float() * s).transpose(-1, -2)
 
 
 def random_layer(k: int, n: int, group: int, bias: bool = False, seed: int = 0) -> AwqLinear:

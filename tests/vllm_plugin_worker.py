@@ -16,33 +16,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import traceback
 from pathlib import Path
 
-PROMPT_SEED = 1234
-PROMPT_LENS = (12, 7, 20)
-
-
-def prompts(vocab: int) -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(PROMPT_SEED)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def _dense(entries, vocab: int):
-    import torch
-
-    rows = []
-    for d in entries:
-        if d is None:
-            continue
-        row = torch.full((vocab,), float("nan"), dtype=torch.float64)
-        for tok, lp in d.items():
-            if tok < vocab:
-                row[tok] = float(lp.logprob)
-        rows.append(row)
-    return torch.stack(rows) if rows else torch.empty(0, vocab, dtype=torch.float64)
+# the prompts and the logprob densifier of benches/vllm_check.py (same vLLM-side code, one place)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
+from vllm_check import _dense, prompts  # noqa: E402
 
 
 def run_one(model: str, dtype: str, max_new: int) -> dict:
