@@ -235,6 +235,7 @@ def test_remap_layout_follows_the_spec_routing(monkeypatch, src, ids_file, tmp_p
     forge.verify(out)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["n_routed_experts"] == 8 and cfg["forge_expert_pruning"]["layout"] == "remap"
+    assert cfg["architectures"] == ["ForgeRemapDeepseekV3ForCausalLM"]  # stock vLLM refuses it
     with pytest.raises(errors.CheckpointError, match="remap"):
         forge.load_quantized(out)  # runs only in vLLM with forge's plugin
     new, orig = read_tensors(out), read_tensors(src)

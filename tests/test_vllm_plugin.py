@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge.vllm_plugin import layer_index, parse_expert_pruning, remap_routing
+from forge.vllm_plugin import layer_index, parse_expert_pruning, remap_architectures, remap_routing
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = os.environ.get("FORGE_VLLM_PYTHON")
@@ -347,6 +347,7 @@ def make_remap(src: Path, dst: Path, keep: dict[int, list[int]], maps=None) -> P
             continue
         out[k] = v
     cfg.update(remap_entry(maps or expert_maps(n, keep), n))
+    cfg["architectures"] = remap_architectures(cfg["architectures"])
     return write_folder(dst, out, cfg)
 
 
@@ -399,13 +400,14 @@ def plugin_site(root: Path) -> Path:
     return site
 
 
-def run_vllm(models: list[Path], root: Path, tag: str) -> tuple[dict, str]:
-    """Runs `models` through vLLM (one worker process, one LLM each); returns (results, log)."""
+def run_vllm(models: list[Path], root: Path, tag: str, plugin: bool = True) -> tuple[dict, str]:
+    """Runs `models` through vLLM (one worker process, one LLM each); returns (results, log).
+    ``plugin=False``: vLLM loads no general plugin (stock vLLM)."""
     out = root / f"{tag}.pt"
     env = dict(os.environ)
     env.update(
         PYTHONPATH=os.pathsep.join([str(plugin_site(root)), str(ROOT / "python")]),
-        VLLM_PLUGINS="forge_expert_remap",
+        VLLM_PLUGINS="forge_expert_remap" if plugin else "no_plugin_at_all",
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_LOGGING_LEVEL="INFO",
     )
@@ -472,6 +474,10 @@ def vllm_runs(tmp_path_factory):
             bad[2] = [c if c < 2 else (5 if c == 2 else c) for c in bad[2]]  # compact id 5 of k=3
             folders["remap_bad"] = make_remap(orig, d / "remap_bad", KEEP_UNEVEN, maps={1: bad[1], 2: bad[2]})
         res, log = run_vllm(list(folders.values()), d, "vllm")
+        if kind == "qwen3_moe":  # stock vLLM (no plugin) must refuse a remap checkpoint
+            stock, _ = run_vllm([folders["forge_remap"]], d, "stock", plugin=False)
+            res[d / "forge_remap_stock"] = stock[folders["forge_remap"]]
+            folders["forge_remap_stock"] = d / "forge_remap_stock"
         runs[kind] = {
             "root": d,
             "orig": orig,
@@ -573,6 +579,15 @@ def test_forge_written_pruned_checkpoints_in_vllm(vllm_runs, kind):
         f"{kind} forge-written: max|dlogit| compact vs transformers = {d_compact:.3g}, remap vs reference = {d_remap:.3g}"
     )
     assert d_compact <= TOL and d_remap <= TOL, (d_compact, d_remap)
+
+
+@requires_vllm
+def test_stock_vllm_refuses_a_remap_checkpoint(vllm_runs):
+    """Without the plugin a remap checkpoint must not load (its experts k_L..E-1 would stay
+    uninitialised): its architectures carry the ForgeRemap prefix only the plugin registers."""
+    r = vllm_runs["qwen3_moe"]["res"]["forge_remap_stock"]
+    assert not r["ok"]
+    assert "ForgeRemapQwen3MoeForCausalLM" in r["error"], r["error"][-2000:]
 
 
 @requires_vllm

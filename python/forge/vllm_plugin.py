@@ -54,12 +54,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["RemapSpec", "parse_expert_pruning", "register", "remap_routing"]
+__all__ = ["RemapSpec", "parse_expert_pruning", "register", "remap_architectures", "remap_routing"]
 
 # under "vllm." so that vLLM's logging configuration (handlers, VLLM_LOGGING_LEVEL) shows it
 log = logging.getLogger("vllm.forge_expert_remap")
 
 CONFIG_KEY = "forge_expert_pruning"
+# A remap checkpoint's `architectures` carry this prefix (forge-run's REMAP_ARCH_PREFIX): stock vLLM
+# refuses the unknown name, and register() maps each prefixed family name to the family's class.
+REMAP_ARCH_PREFIX = "ForgeRemap"
+_FAMILY_ARCHS = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
 # the FusedMoE prefix of decoder layer L: model.layers.L.mlp.experts (DeepSeek, Qwen-MoE),
 # model.layers.L.block_sparse_moe.experts (Mixtral); multimodal wrappers prepend more
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.[A-Za-z_][A-Za-z0-9_]*\.experts$")
@@ -375,6 +385,27 @@ def _install_guard() -> None:
     _ModelRegistry.resolve_model_cls = resolve_model_cls
 
 
+def remap_architectures(architectures: list[str]) -> list[str]:
+    """The ``architectures`` of a remap checkpoint (what forge's writer puts in config.json)."""
+    return [a if a.startswith(REMAP_ARCH_PREFIX) else REMAP_ARCH_PREFIX + a for a in architectures]
+
+
+def _register_architectures() -> None:
+    """Registers ``ForgeRemap<Family>`` as the family's own vLLM model class (remap checkpoints
+    carry that name so that vLLM without this plugin refuses them)."""
+    from vllm import ModelRegistry
+
+    models = ModelRegistry.models
+    for arch in _FAMILY_ARCHS:
+        alias, entry = REMAP_ARCH_PREFIX + arch, models.get(arch)
+        if entry is None or alias in models:
+            continue
+        if hasattr(entry, "module_name") and hasattr(entry, "class_name"):
+            ModelRegistry.register_model(alias, f"{entry.module_name}:{entry.class_name}")
+        else:
+            ModelRegistry.register_model(alias, entry.load_model_cls())
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Idempotent (vLLM calls it in every process)."""
     global _REGISTERED, _INSTALL_ERROR
@@ -383,6 +414,7 @@ def register() -> None:
     _REGISTERED = True
     try:
         _install()
+        _register_architectures()
         _INSTALL_ERROR = None
     except (ImportError, AttributeError, TypeError) as exc:
         _INSTALL_ERROR = f"{type(exc).__name__}: {exc}"

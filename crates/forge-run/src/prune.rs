@@ -38,6 +38,10 @@ pub const STATS_FORMAT: &str = "4bit-forge router stats v1";
 pub const STATS_FILE: &str = "forge/router_stats.safetensors";
 /// Key of the pruning block in the output `config.json`.
 pub const CONFIG_KEY: &str = "forge_expert_pruning";
+/// Prefix of a remap checkpoint's `architectures`: stock vLLM refuses the unknown name (instead
+/// of loading experts it cannot route and leaving slots uninitialised), and forge's vLLM plugin
+/// (`forge.vllm_plugin.REMAP_ARCH_PREFIX`) registers each prefixed name as the family's class.
+pub const REMAP_ARCH_PREFIX: &str = "ForgeRemap";
 
 /// How experts are ranked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

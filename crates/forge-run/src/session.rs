@@ -778,6 +778,16 @@ impl Session {
             }
             if let Some(obj) = cfg.as_object_mut() {
                 obj.insert(crate::prune::CONFIG_KEY.into(), block);
+                if p.layout == Layout::Remap {
+                    if let Some(archs) = obj.get_mut("architectures").and_then(Value::as_array_mut)
+                    {
+                        for a in archs.iter_mut() {
+                            if let Some(name) = a.as_str() {
+                                *a = json!(format!("{}{name}", crate::prune::REMAP_ARCH_PREFIX));
+                            }
+                        }
+                    }
+                }
             }
         }
         if write_config {
