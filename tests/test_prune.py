@@ -118,6 +118,29 @@ def test_stats_only_equal_plain_torch(src, ids_file, tmp_path):
     assert (out / "forge/router_stats.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_sparse_forward_skips_the_routed_experts(src, ids_file, tmp_path):
+    """``sparse_forward``: the first MoE layer's statistics are exact (nothing routed runs before
+    it); the next one's come from inputs computed with the routed experts skipped: equal to the
+    original model with its routed experts' output zeroed (attention + residual + shared expert)."""
+    out = tmp_path / "sparse"
+    forge.prune_model(src, out, **_opts(ids_file, stats_only=True, sparse_forward=True))
+    st = read_tensors_file(out / "forge/router_stats.safetensors")
+    assert float(st["reap"].abs().sum()) == 0.0  # no expert output was computed
+    with pytest.raises(errors.InvalidValueError, match="no REAP"):
+        forge.prune_model(
+            src, tmp_path / "o", router_stats=out / "forge/router_stats.safetensors", keep_experts=4
+        )
+    model = _model(src)
+    for li in _moe_layers(model):
+        model.model.layers[li].mlp.experts.forward = lambda x, idx, w: torch.zeros_like(x)
+    xs = _gate_inputs(model, _windows(ids_file))
+    for row, li in enumerate(st["layers"].tolist()):
+        with torch.no_grad():
+            s, idx, _ = _deepseek_route(model.model.layers[li].mlp.gate, xs[li])
+        assert torch.equal(st["counts"][row], torch.bincount(idx.flatten(), minlength=8).double())
+        torch.testing.assert_close(st["mass"][row], s.sum(0).double(), rtol=1e-5, atol=1e-3)
+
+
 def _check_map(emap: list[int], keep: int, n_group: int):
     kept = [e for e, c in enumerate(emap) if c >= 0]
     assert len(kept) == keep >= 1
@@ -310,6 +333,10 @@ def test_prune_from_saved_stats_binds_the_experts_it_says(src, ids_file, tmp_pat
         progress=False,
     )
     forge.verify(out)
+    rep = json.loads((out / "forge/pruning.json").read_text())
+    assert rep["bytes_after"] < rep["bytes_before"] and [r["kept"] for r in rep["layers"]] == [4, 4]
+    assert json.loads((out / "forge/expert_map.json").read_text())["layers"] == [1, 2]
+    assert torch.load(out / "forge/expert_map.pt")["expert_map"].shape == (2, 8)
     full = tmp_path / "full"
     forge.quantize_model(src, full, group_size=G, progress=False)
     st = read_tensors_file(stats)

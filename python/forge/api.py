@@ -113,7 +113,7 @@ def quantize_model(
         if options.get(k) is not None:
             options[k] = os.fspath(options[k])
     opts = _native.validate_options(_json(options))
-    if needs_forward(opts):
+    if runs_in_python(opts):
         from .calibrate import run_layerwise
 
         out = run_layerwise(model_dir, out_dir, opts)
@@ -122,15 +122,13 @@ def quantize_model(
     return QuantizeReport(**out)
 
 
-def needs_forward(opts: dict[str, Any]) -> bool:
-    """Whether a run needs the layer-by-layer calibration forward (in Python): GPTQ, router
-    statistics, or pruning decided from calibration text rather than a saved statistics file."""
+def runs_in_python(opts: dict[str, Any]) -> bool:
+    """Whether the run is driven from Python (``forge.calibrate``): GPTQ and router statistics
+    (the calibration forward), and every pruning run (the forward when the experts are chosen
+    from calibration text; the expert map and pruning report in all cases). The data-free RTN
+    run is a Rust loop."""
     pruning = any(opts.get(k) is not None for k in ("keep_experts", "prune_ratio", "keep_mass"))
-    return (
-        opts["method"] == "gptq"
-        or bool(opts.get("stats_only"))
-        or (pruning and opts.get("router_stats") is None)
-    )
+    return opts["method"] == "gptq" or bool(opts.get("stats_only")) or pruning
 
 
 def prune_model(

@@ -751,6 +751,9 @@ def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     sess = _native.Session(os.fspath(model_dir), os.fspath(out_dir), json.dumps(options))
     opts = sess.options()
     summary = sess.summary()
+    pruning = _pruning_of(summary)
+    if pruning and pruning["bound_at_open"] and opts["method"] != "gptq":
+        return _run_bound(sess, opts, summary, pruning)
     device = torch.device(opts["device"])
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidValueError("device: CUDA was asked for but torch sees no GPU")
@@ -885,7 +888,13 @@ def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     if ctx.pruning:
         from .prune import pruning_files
 
-        extra += pruning_files(ctx.pruning, sess.expert_map() or {}, ctx.stats, _scoring(ctx.family))
+        extra += pruning_files(
+            ctx.pruning,
+            sess.expert_map() or {},
+            ctx.stats,
+            _scoring(ctx.family),
+            (summary["bytes_in"], summary["bytes_out"]),
+        )
     rep = sess.finish(extra)
     rep["notes"] = list(rep.get("notes", [])) + notes
     return rep
@@ -899,6 +908,44 @@ def _pruning_of(summary: dict) -> dict | None:
     p = dict(p)
     p["keep"] = {int(k): int(v) for k, v in p["keep"].items()}
     return p
+
+
+def _run_bound(sess, opts: dict, summary: dict, pruning: dict) -> dict:
+    """A pruning run whose experts were chosen at open from a saved ``router_stats`` file, with
+    RTN or no quantization: no forward pass, unit by unit as the native run goes, plus the
+    expert map and the pruning report (statistics from that file)."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    from .prune import pruning_files, stats_heatmap
+
+    units = sess.units()
+    bar = tqdm(total=len(units), desc="layers", disable=not opts["progress"], unit="unit")
+    for u in units:
+        if not u["done"]:
+            sess.write_unquantized(u["index"])
+            if opts["method"] == "rtn":
+                sess.quantize_rtn(u["index"])
+            sess.commit(u["index"], None)
+        bar.update(1)
+    bar.close()
+    stats: dict[int, _Stats] = {}
+    with safe_open(opts["router_stats"], "pt") as f:
+        layers = f.get_tensor("layers").tolist()
+        counts, mass, reap = (f.get_tensor(k) for k in ("counts", "mass", "reap"))
+    for row, li in enumerate(layers):
+        s = stats[li] = _Stats(counts.shape[1])
+        s.counts, s.mass, s.reap = counts[row].double(), mass[row].double(), reap[row].double()
+    emap = sess.expert_map() or {}
+    extra = pruning_files(
+        pruning, emap, stats, _scoring(summary["arch"]), (summary["bytes_in"], summary["bytes_out"])
+    )
+    png = stats_heatmap(stats, {int(k): [e for e, c in enumerate(v) if c >= 0] for k, v in emap.items()})
+    if png is not None:
+        extra.append(("forge/router_stats.png", png))
+    rep = sess.finish(extra)
+    rep["notes"] = list(rep.get("notes", [])) + [f"experts chosen from {opts['router_stats']}"]
+    return rep
 
 
 def _save_state(path: str, hidden: _Store, ctx: _Ctx) -> None:

@@ -39,7 +39,7 @@ def _share(v: torch.Tensor, kept: torch.Tensor) -> float | None:
 
 
 def pruning_files(
-    pruning: dict[str, Any], expert_map: dict, stats: dict, scoring: str
+    pruning: dict[str, Any], expert_map: dict, stats: dict, scoring: str, sizes: tuple[int, int]
 ) -> list[tuple[str, bytes]]:
     """The expert map and the pruning report (see the module documentation)."""
     emap = {int(k): list(v) for k, v in expert_map.items()}
@@ -86,6 +86,8 @@ def pruning_files(
         "criterion": pruning["criterion"],
         "num_experts": int(pruning["num_experts"]),
         "scoring": scoring,
+        "bytes_before": int(sizes[0]),
+        "bytes_after": int(sizes[1]),
         "layers": rows,
     }
     files.append(("forge/pruning.json", (json.dumps(report, indent=1) + "\n").encode()))
@@ -98,6 +100,8 @@ def pruning_files(
         "",
         f"Layout `{pruning['layout']}`, criterion `{pruning['criterion']}`, "
         f"{pruning['num_experts']} routed experts per layer originally; router probabilities: {scoring}.",
+        f"Checkpoint: {sizes[0] / 2**20:,.1f} MiB before, {sizes[1] / 2**20:,.1f} MiB after "
+        f"({100 * sizes[1] / max(sizes[0], 1):.1f} %).",
         "",
         "| layer | kept | pruned | routed tokens kept | probability mass kept | REAP saliency kept | pruned experts |",
         "|---|---|---|---|---|---|---|",

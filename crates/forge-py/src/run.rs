@@ -310,6 +310,13 @@ impl Session {
                 "resumed_units": resumed,
                 "resumed_bytes": resumed_bytes,
                 "fp8_block": forge_io::FP8_BLOCK,
+                // Bytes of the source tensors and of the planned output (all units).
+                "bytes_in": p.units.iter().map(|u| u.bytes_in).sum::<u64>(),
+                "bytes_out": p
+                    .specs
+                    .iter()
+                    .map(|t| (t.shape.iter().product::<usize>() * t.dtype.size()) as u64)
+                    .sum::<u64>(),
             }),
         )
         .and_then(|d| {

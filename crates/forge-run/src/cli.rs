@@ -569,8 +569,8 @@ fn run_args(a: RunArgs, prune: bool) -> Result<Outcome> {
             "says what to keep: give --keep-experts, --prune-ratio or --keep-mass (or --stats-only to collect router statistics)",
         ));
     }
-    // The calibration forward runs in the Python package.
-    if opts.uses_calibration() {
+    // The calibration forward, and every pruning run (its reports), run in the Python package.
+    if opts.uses_calibration() || opts.prunes() {
         let options = opts.to_json();
         return Ok(if prune {
             Outcome::Prune {

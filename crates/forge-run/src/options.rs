@@ -534,7 +534,11 @@ impl Options {
                 ));
             }
         }
-        if self.sparse_forward && self.criterion == Criterion::Reap {
+        if self.sparse_forward
+            && self.criterion == Criterion::Reap
+            && self.prunes()
+            && self.router_stats.is_none()
+        {
             return Err(Error::options(
                 "sparse_forward",
                 "skips the routed experts in the calibration forward, and criterion reap needs their outputs; pick criterion frequency, mass or random",

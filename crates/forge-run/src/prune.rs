@@ -592,6 +592,19 @@ pub fn resolve(
         Some(p) => {
             let s = RouterStats::read(p)?;
             s.check(config, e, moe_layers)?;
+            let routed = s.counts.iter().flatten().any(|&c| c > 0.0);
+            if opts.criterion == Criterion::Reap
+                && routed
+                && s.reap.iter().flatten().all(|&r| r == 0.0)
+            {
+                return Err(Error::options(
+                    "criterion",
+                    format!(
+                        "{}: these statistics carry no REAP saliency (collected with sparse_forward, which skips the experts); pick criterion frequency or mass, or collect them without sparse_forward",
+                        p.display()
+                    ),
+                ));
+            }
             Some(s)
         }
         None => None,
