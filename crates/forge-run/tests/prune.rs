@@ -581,7 +581,7 @@ fn stats_only_writes_only_extras() {
 }
 
 #[test]
-fn cli_prune_runs_natively_with_stats_and_hands_calibration_to_python() {
+fn cli_prune_hands_every_pruning_run_to_python_and_the_native_run_prunes_from_stats() {
     let tmp = tempfile::tempdir().unwrap();
     let src = moe(&tmp.path().join("src"));
     let st = good_stats(tmp.path());
@@ -600,7 +600,15 @@ fn cli_prune_runs_natively_with_stats_and_hands_calibration_to_python() {
         "32".into(),
         "--no-progress".into(),
     ];
-    assert!(matches!(forge_run::cli::dispatch(argv), Outcome::Exit(0)));
+    // The CLI hands it to the Python package (which also writes the expert map and report) ...
+    let options = match forge_run::cli::dispatch::<_, String>(argv) {
+        Outcome::Prune { options, .. } => options,
+        o => panic!("{o:?}"),
+    };
+    assert_eq!(options["keep_experts"], json!(4));
+    // ... and the Rust run itself prunes from saved statistics with no forward pass.
+    let opts = forge_run::Options::from_json(&options).unwrap();
+    forge_run::quantize(&src, &out, &opts, &forge_run::NoProgress).unwrap();
     assert_eq!(config(&out)["n_routed_experts"], 4);
     forge_run::verify::verify(&out).unwrap();
     let argv = [
