@@ -86,7 +86,7 @@ if __name__ == "__main__":
     ap.add_argument("--format", default="awq", choices=FORMATS)
     ap.add_argument("--symmetric", action="store_true")
     ap.add_argument("--group-size", type=int, default=32)
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()
     for k in a.families:
         if k not in FAMILIES:
             ap.error(f"family {k!r}: one of {FAMILIES}")
