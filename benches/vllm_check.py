@@ -143,15 +143,23 @@ def ct_dequant(weight_packed, weight_scale, weight_shape, weight_zero_point=None
 
 # per format: (the suffix that marks a quantized linear, its other tensors, the dequantizer)
 FORMATS = {
-    "awq": (".qweight", (".qzeros", ".scales"), lambda t, m: awq_dequant(
-        t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"])),
-    "gptq": (".qweight", (".qzeros", ".scales", ".g_idx"), lambda t, m: gptq_dequant(
-        t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"], t[m + ".g_idx"])),
+    "awq": (
+        ".qweight",
+        (".qzeros", ".scales"),
+        lambda t, m: awq_dequant(t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"]),
+    ),
+    "gptq": (
+        ".qweight",
+        (".qzeros", ".scales", ".g_idx"),
+        lambda t, m: gptq_dequant(t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"], t[m + ".g_idx"]),
+    ),
     "compressed-tensors": (
         ".weight_packed",
         (".weight_scale", ".weight_shape", ".weight_zero_point"),
         lambda t, m: ct_dequant(
-            t[m + ".weight_packed"], t[m + ".weight_scale"], t[m + ".weight_shape"],
+            t[m + ".weight_packed"],
+            t[m + ".weight_scale"],
+            t[m + ".weight_shape"],
             t.get(m + ".weight_zero_point"),
         ),
     ),
@@ -164,10 +172,14 @@ def checkpoint_format(cfg: dict) -> str:
     method = str(qc.get("quant_method", "")).lower()
     if method == "gptq":
         if str(qc.get("checkpoint_format", "gptq")).lower() != "gptq":
-            raise SystemExit(f"vllm_check: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}: only v1 ('gptq')")
+            raise SystemExit(
+                f"vllm_check: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}: only v1 ('gptq')"
+            )
     elif method == "compressed-tensors":
         if qc.get("format") != "pack-quantized":
-            raise SystemExit(f"vllm_check: compressed-tensors format {qc.get('format')!r}: only pack-quantized")
+            raise SystemExit(
+                f"vllm_check: compressed-tensors format {qc.get('format')!r}: only pack-quantized"
+            )
         for grp in (qc.get("config_groups") or {}).values():
             w = grp.get("weights") or {}
             if w.get("num_bits") != 4 or w.get("type", "int") != "int":
@@ -335,8 +347,10 @@ def _run(model: Path, args, tmp: Path, tag: str, plugin_site: Path | None, dequa
 
     res = {"ok": True, "result": torch.load(out)}
     if marker.exists():
-        kinds = marker.read_text().split()
+        rows = [line.split() for line in marker.read_text().splitlines() if line.strip()]
+        kinds = [r[0] for r in rows]
         res["dequantized"] = {"dense": kinds.count("dense"), "moe": kinds.count("moe")}
+        res["methods"] = sorted({" ".join(r[1:]) for r in rows if len(r) > 1})
     if dump.is_dir():
         res["weights"] = {}
         for f in sorted(dump.glob("*.pt")):
@@ -462,6 +476,7 @@ def main(argv=None) -> int:
         else:
             if use_plugin:
                 report["dequantized_by_plugin"] = r_q.get("dequantized", {"dense": 0, "moe": 0})
+                report["vllm_methods"] = r_q.get("methods", [])
             report.update(compare(r_q["result"], r_ref["result"]))
             ok = report["max_abs_dlogit"] <= tol and (report["greedy_equal"] or not use_plugin)
             if use_plugin:
