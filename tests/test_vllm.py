@@ -26,6 +26,7 @@ VLLM_PYTHON = os.environ.get("FORGE_VLLM_PYTHON")
 FAMILIES = [f for f in os.environ.get("FORGE_VLLM_FAMILIES", "llama").split(",") if f]
 FORMATS = [f for f in os.environ.get("FORGE_VLLM_FORMATS", "awq,gptq,compressed-tensors").split(",") if f]
 # the vLLM method classes that must have loaded the 4-bit layers (the plugin reports them)
+VLLM_QWEN3MOE_GPTQ_BUG = "'MergedColumnParallelLinear' object has no attribute 'data'"
 VLLM_METHODS = {"awq": "AutoAWQ", "gptq": "AutoGPTQ", "compressed-tensors": "CompressedTensorsWNA16"}
 
 pytestmark = pytest.mark.skipif(
@@ -56,6 +57,12 @@ def test_vllm_loads_forged(family, fmt, tmp_path):
     )
     assert out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     rep = json.loads(out.read_text())
+    err = (rep.get("error") or {}).get("forged") or ""
+    if family == "qwen3_moe" and fmt == "gptq" and not rep["loads"] and VLLM_QWEN3MOE_GPTQ_BUG in err:
+        # vLLM bug, not a layout error (README "Which client loads what"): SupportsQuant.__new__
+        # copies Qwen3-MoE's packed_modules_mapping before __init__ adds gate_up_proj for the dense
+        # mlp_only_layers, so AutoGPTQConfig takes that layer as unquantized and cannot load qweight
+        pytest.xfail(f"vLLM GPTQ loader bug on Qwen3-MoE dense MLP layers: {err}")
     assert rep["loads"], rep
     if rep["mode"] == "dequant-plugin":
         assert sum(rep["dequantized_by_plugin"].values()) > 0, rep
