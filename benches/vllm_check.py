@@ -107,19 +107,23 @@ def awq_dequant(qweight, qzeros, scales):
     return w_kn.t().contiguous()
 
 
-def gptq_dequant(qweight, qzeros, scales, g_idx):
+def gptq_dequant(qweight, qzeros, scales, g_idx=None):
     """GPTQ v1: qweight int32 [K/8, N] packed along K (row 8r + i in bits 4i of row r), qzeros int32
     [K/G, N/8] packed along N (column 8c + i in bits 4i), stored as zero - 1, scales [K/G, N], g_idx
-    int32 [K] (the group of each input row) -> W [N, K] f32, W[n, k] = (q - z) * s at group g_idx[k].
+    int32 [K] (the group of each input row; k // G when absent) -> W [N, K] f32, W[n, k] = (q - z) * s
+    at group g_idx[k].
     """
     import torch
 
     q = _nibbles(qweight, 0)  # [K, N]
     z = _nibbles(qzeros, 1) + 1  # [K/G, N]; v1 stores zero - 1
     k = q.shape[0]
-    if g_idx.shape != (k,):
+    if g_idx is None:  # optional in GPTQ v1 without act-order: group k // G
+        gi = torch.arange(k) // (k // scales.shape[0])
+    elif g_idx.shape != (k,):
         raise ValueError(f"g_idx shape {tuple(g_idx.shape)} != ({k},)")
-    gi = g_idx.to(torch.int64)
+    else:
+        gi = g_idx.to(torch.int64)
     w_kn = (q - z[gi]).to(torch.float32) * scales.to(torch.float32)[gi]
     return w_kn.t().contiguous()
 
@@ -151,7 +155,7 @@ FORMATS = {
     "gptq": (
         ".qweight",
         (".qzeros", ".scales", ".g_idx"),
-        lambda t, m: gptq_dequant(t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"], t[m + ".g_idx"]),
+        lambda t, m: gptq_dequant(t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"], t.get(m + ".g_idx")),
     ),
     "compressed-tensors": (
         ".weight_packed",
