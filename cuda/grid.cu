@@ -3,7 +3,16 @@
 // x: [rows, cols] row-major, groups of G consecutive elements of a row, the last group of a
 // row padded with zeros. qmeta: [rows, ceil(cols/G)] u32.
 
-__constant__ float c_p[1024];  // shrink factors of the MSE search (uploaded per call)
+// Shrink factor `ci` of the MSE search, computed as forge_core::grid::MseSpec::candidates does
+// (f64, then rounded to f32; --fmad=false keeps the f64 steps unfused, so the values are
+// bit-identical). Computed per launch from its arguments: no __constant__ table shared by
+// concurrent launches on different streams.
+__device__ __forceinline__ float mse_candidate(int ci, int n_grid, float max_shrink) {
+    if (n_grid == 1) return 1.0f;
+    const double s = (double)max_shrink;
+    const double step = 2.0 * s / ((double)n_grid - 1.0);
+    return (float)(1.0 - s + (double)ci * step);
+}
 
 template <int DT>
 __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int rows, int cols, int G,
@@ -55,7 +64,7 @@ __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int 
 // memory (G <= 1024, blockDim 128 => 4 groups per block).
 template <int DT>
 __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int rows, int cols, int G,
-                                               int bits, int n_grid, float norm) {
+                                               int bits, int n_grid, float norm, float max_shrink) {
     extern __shared__ float sm_grp[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -78,7 +87,7 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
     for (int ci = 0; ci < n_grid; ci++) {
         // Evaluated at the scale that would be stored: decode(encode(max(s0 * p, SCALE_MIN))),
         // as forge_core::grid::mse_refine_group.
-        float sc = p0.scale * c_p[ci];
+        float sc = p0.scale * mse_candidate(ci, n_grid, max_shrink);
         sc = fmaxf(sc, forge_scale_min());
         const int q = encode_log2_q88(sc);
         const float s = decode_scale(q);
@@ -114,8 +123,8 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
         qmeta_range_impl<DT>(x, qmeta, rows, cols, G, bits, symmetric);                                 \
     }                                                                                                  \
     extern "C" __global__ void qmeta_mse_##SUF(const void* x, u32* qmeta, int rows, int cols, int G,    \
-                                                int bits, int n_grid, float norm) {                     \
-        qmeta_mse_impl<DT>(x, qmeta, rows, cols, G, bits, n_grid, norm);                                \
+                                                int bits, int n_grid, float norm, float max_shrink) {   \
+        qmeta_mse_impl<DT>(x, qmeta, rows, cols, G, bits, n_grid, norm, max_shrink);                    \
     }
 
 FORGE_GRID_ENTRIES(f32, FORGE_DT_F32)

@@ -12,7 +12,6 @@
 //! written concurrently by other work. Output buffers must not alias inputs unless stated.
 
 use crate::error::{CudaError, DrvExt, Result};
-use crate::kernels::Module;
 use crate::runtime::{device, launch, Device, Func};
 use cudarc::driver::{result as dr, sys};
 use forge_core::grid::{GridSpec, MseSpec};
@@ -163,8 +162,9 @@ pub unsafe fn qmeta_range(
 }
 
 /// MSE / L^p refinement (spec §6.3) of `qmeta` in place. Bit-identical to
-/// `forge_core::grid::refine_mse`. The candidate grid goes to `__constant__` memory with a
-/// copy ordered on `s` (concurrent calls on different streams with different grids race).
+/// `forge_core::grid::refine_mse`. The kernel computes the candidate shrink factors from
+/// `max_shrink` and `n_grid` exactly as `MseSpec::candidates` does: no table shared between
+/// launches, so concurrent calls on different streams with different grids are safe.
 ///
 /// # Safety
 /// See the module documentation.
@@ -188,16 +188,7 @@ pub unsafe fn qmeta_mse(
     check_align("qmeta", qmeta, 4)?;
     let dev = dev_of(s)?;
     let f = dev.function(kname("qmeta_mse", dtype)?)?;
-    let cands = mse.candidates();
-    let (cp, cp_bytes) = dev.global(Module::Grid, "c_p")?;
-    if std::mem::size_of_val(cands.as_slice()) > cp_bytes {
-        return Err(CudaError::arg("n_grid", "at most 1024", cands.len()));
-    }
-    dev.bind()?;
-    // SAFETY: cp is the module's c_p symbol, large enough; pageable source is staged
-    // before the call returns.
-    unsafe { dr::memcpy_htod_async(cp, &cands, s.handle as sys::CUstream) }
-        .drv("cuMemcpyHtoDAsync")?;
+    let n_grid = to_i32("n_grid", mse.n_grid)?;
     let groups = rows.checked_mul(spec.groups(cols)).ok_or(CudaError::arg(
         "rows",
         "rows·groups < 2^63",
@@ -211,8 +202,9 @@ pub unsafe fn qmeta_mse(
         to_i32("cols", cols)?,
         to_i32("group_size", spec.group_size)?,
     );
-    let (mut bits, mut ng, mut norm) = (spec.bits as i32, cands.len() as i32, mse.norm);
-    let mut p = args!(px, pq, r, c, g, bits, ng, norm);
+    let (mut bits, mut ng, mut norm, mut shrink) =
+        (spec.bits as i32, n_grid, mse.norm, mse.max_shrink);
+    let mut p = args!(px, pq, r, c, g, bits, ng, norm, shrink);
     // SAFETY: parameter list matches qmeta_mse_<dt>.
     unsafe { launch(dev, f, (grid, 1, 1), (128, 1, 1), smem, s.handle, &mut p) }
 }

@@ -210,15 +210,6 @@ impl Device {
         Ok(f)
     }
 
-    /// Device pointer and size of a `__constant__` / `__device__` symbol of a module.
-    pub(crate) fn global(&self, m: Module, symbol: &str) -> Result<(u64, usize)> {
-        let module = self.module(m)?;
-        let c = CString::new(symbol).map_err(|_| CudaError::MissingKernel(symbol.into()))?;
-        // SAFETY: module is loaded.
-        unsafe { dr::module::get_global(module, c) }
-            .map_err(|_| CudaError::MissingKernel(symbol.into()))
-    }
-
     /// Resident blocks per SM of `f` for a block size and dynamic shared memory (1 when the
     /// driver cannot say).
     pub(crate) fn occupancy(&self, f: Func, block: u32, smem: usize) -> usize {
