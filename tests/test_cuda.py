@@ -46,6 +46,24 @@ def test_grid_bit_exact(dtype, bits, group, sym, mode):
     assert torch.equal(gpu[0].cpu(), cpu[0])
 
 
+def test_mse_grids_on_concurrent_streams_are_independent():
+    """Two MSE searches with different candidate grids queued on two streams at once: each
+    equals its CPU result (the candidates once lived in one __constant__ table both overwrote)."""
+    w = adversarial(512, 1024, torch.float32, seed=3).cuda()
+    grids = [(0.2, 100, 2.4), (0.5, 17, 2.0)]
+    want = [forge.build_quant_grid(w.cpu(), 128, 4, False, "mse", *g)[0] for g in grids]
+    streams = [torch.cuda.Stream() for _ in grids]
+    torch.cuda.synchronize()
+    for _ in range(3):
+        got = []
+        for st, g in zip(streams, grids, strict=True):
+            with torch.cuda.stream(st):
+                got.append(forge.build_quant_grid(w, 128, 4, False, "mse", *g)[0])
+        torch.cuda.synchronize()
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.cpu(), b)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n,group", [(256, 64, 128), (512, 136, 64), (7168 // 4, 256, 128)])
 def test_quantize_pack_bit_exact(dtype, k, n, group):
