@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Decode speed of a forged MoE on a GPU: a random DeepSeek-V3-architecture model at reduced size
+# (MLA, sigmoid group-limited routing, shared expert; hidden 2048, 8 layers with 1 dense, 64
+# routed experts of 1408, top-6) in bf16, forged to AWQ g128 (RTN on the GPU), and
+# bench_runtime.py: W4A16 experts (forge.runtime.AwqExperts) through forge.load_quantized vs the
+# same model in bf16 (transformers' experts), batch 1 and 16, CUDA graphs where they capture,
+# then eager. Rows are appended to $OUT/results-<gpu>-runtime-moe.json as measured; a mode that
+# fails (e.g. a module that cannot be captured) is recorded with its error. Needs the wheel
+# installed (PYTHONPATH) as in gpu_suite.sh.
+set -euo pipefail
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+work=$(mktemp -d)
+python3 - "$work" <<'PY'
+import sys, torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config
+cfg = DeepseekV3Config(vocab_size=32000, hidden_size=2048, intermediate_size=8192, moe_intermediate_size=1408,
+                       num_hidden_layers=8, first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=6,
+                       n_shared_experts=1, n_group=8, topk_group=4, num_attention_heads=16, num_key_value_heads=16,
+                       q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                       max_position_embeddings=2048, num_nextn_predict_layers=0)
+torch.manual_seed(0)
+m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+with torch.no_grad():
+    for n, p in m.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, 0.02)
+m.save_pretrained(sys.argv[1] + "/bf16")
+PY
+python3 -c "import forge, sys; forge.quantize_model(sys.argv[1] + '/bf16', sys.argv[1] + '/awq', group_size=128, device='cuda', progress=False)" "$work"
+gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+python3 benches/bench_runtime.py "$work/awq" "$work/bf16" --device cuda --batch 1 16 --eager-too \
+  --json "$OUT/results-$gpu-runtime-moe.json" "$@"
+rm -rf "$work"
