@@ -355,6 +355,32 @@ def test_prune_from_saved_stats_binds_the_experts_it_says(src, ids_file, tmp_pat
                 assert torch.equal(a[n.format(c)], b[n.format(e)])
 
 
+def test_gptq_with_experts_from_saved_stats(src, ids_file, tmp_path):
+    """GPTQ on experts chosen at open from a saved statistics file: the written experts are the
+    ones the file's counts pick per group, and the pruned model's routing reaches only them."""
+    stats_dir = tmp_path / "stats"
+    forge.prune_model(src, stats_dir, **_opts(ids_file, stats_only=True))
+    out = tmp_path / "o"
+    forge.prune_model(
+        src,
+        out,
+        **_opts(ids_file, method="gptq", keep_experts=4, criterion="frequency"),
+        router_stats=stats_dir / "forge/router_stats.safetensors",
+    )
+    forge.verify(out)
+    st = read_tensors_file(stats_dir / "forge/router_stats.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    for row, li in enumerate(st["layers"].tolist()):
+        c = st["counts"][row]
+        want = sorted(g * 4 + int(i) for g in range(2) for i in torch.topk(c[g * 4 : g * 4 + 4], 2).indices)
+        assert _check_map(cfg["forge_expert_pruning"]["expert_map"][str(li)], 4, 2) == want
+    rep = json.loads((out / "forge/pruning.json").read_text())
+    assert [r["kept_experts"] for r in rep["layers"]] == [
+        [e for e, c in enumerate(cfg["forge_expert_pruning"]["expert_map"][str(li)]) if c >= 0]
+        for li in (1, 2)
+    ]
+
+
 def test_bad_pruning_inputs_write_nothing_verify_accepts(src, ids_file, tmp_path):
     llama = make_model("llama", tmp_path / "llama")
     qwen = make_model("qwen3_moe", tmp_path / "qwen")

@@ -38,7 +38,9 @@ import torch.nn.functional as F
 
 from . import _native
 from .errors import CheckpointError, InvalidValueError
+from .prune import kept_experts
 from .quant import build_quant_grid, quantize_rtn
+from .vllm_plugin import remap_routing
 
 __all__ = ["run_layerwise", "load_calibration", "hessian_error"]
 
@@ -553,8 +555,6 @@ class _RoutedExperts(torch.nn.Module):
         """The remap layout's routing (what forge's vLLM plugin computes): ids through the layer's
         map, pruned picks weighted 0 and the rest rescaled to the token's original weight sum.
         Pruned picks go to the bucket ``n_experts``, which no expert reads."""
-        from .vllm_plugin import remap_routing
-
         m = self.remap.to(idx.device)
         ids, w = remap_routing(idx, wts, m)
         ids = torch.where(m[idx.long()] >= 0, ids.to(idx.dtype), self.n_experts)
@@ -812,7 +812,7 @@ def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
         block = int(qc["weight_block_size"][0])
     ctx = _Ctx(sess, opts, cfg, device, dtype, summary["arch"], block, prefix, [], {}, opts["progress"], {})
     ctx.pruning = _pruning_of(summary)
-    ctx.bound = {int(k): list(v) for k, v in (sess.expert_map() or {}).items()} if ctx.pruning else {}
+    ctx.bound = kept_experts(sess.expert_map() or {}) if ctx.pruning else {}
     ctx.stats_source = "router_stats file" if ctx.pruning and ctx.pruning["bound_at_open"] else "calibration"
 
     # Chunks of whole windows.
@@ -940,7 +940,7 @@ def _run_bound(sess, opts: dict, summary: dict, pruning: dict) -> dict:
     extra = pruning_files(
         pruning, emap, stats, _scoring(summary["arch"]), (summary["bytes_in"], summary["bytes_out"])
     )
-    png = stats_heatmap(stats, {int(k): [e for e, c in enumerate(v) if c >= 0] for k, v in emap.items()})
+    png = stats_heatmap(stats, kept_experts(emap))
     if png is not None:
         extra.append(("forge/router_stats.png", png))
     rep = sess.finish(extra)

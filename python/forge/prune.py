@@ -21,16 +21,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["expert_map_tensor", "pruning_files", "stats_heatmap"]
+__all__ = ["expert_map_tensor", "kept_experts", "pruning_files", "stats_heatmap"]
 
 
 def expert_map_tensor(expert_map: dict[int, list[int]]) -> tuple[list[int], torch.Tensor]:
     """The MoE layers (sorted) and ``expert_map[L, E]`` (int64) of a session's bound maps."""
-    layers = sorted(int(k) for k in expert_map)
+    layers = sorted(expert_map)
     if not layers:
         return [], torch.zeros(0, 0, dtype=torch.int64)
-    rows = [list(expert_map[k] if k in expert_map else expert_map[str(k)]) for k in layers]
-    return layers, torch.tensor(rows, dtype=torch.int64)
+    return layers, torch.tensor([expert_map[k] for k in layers], dtype=torch.int64)
+
+
+def kept_experts(expert_map: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Per layer, the kept original expert ids in compact order (``Session.expert_map`` gives
+    length-E maps: compact id, or -1 when pruned)."""
+    return {int(k): [e for e, c in enumerate(m) if c >= 0] for k, m in expert_map.items()}
 
 
 def _share(v: torch.Tensor, kept: torch.Tensor) -> float | None:
@@ -42,8 +47,7 @@ def pruning_files(
     pruning: dict[str, Any], expert_map: dict, stats: dict, scoring: str, sizes: tuple[int, int]
 ) -> list[tuple[str, bytes]]:
     """The expert map and the pruning report (see the module documentation)."""
-    emap = {int(k): list(v) for k, v in expert_map.items()}
-    layers, table = expert_map_tensor(emap)
+    layers, table = expert_map_tensor({int(k): list(v) for k, v in expert_map.items()})
     files: list[tuple[str, bytes]] = []
     buf = io.BytesIO()
     torch.save({"layers": torch.tensor(layers, dtype=torch.int64), "expert_map": table}, buf)
