@@ -192,13 +192,24 @@ def load_calibration(
 # Hessians and the GPTQ step
 
 
+def hessian_errors(w: torch.Tensor, w_hats: list[torch.Tensor], h: torch.Tensor) -> list[float]:
+    """Relative output errors ``‖X(W−Ŵ)ᵀ‖² / ‖XWᵀ‖²`` of each ``Ŵ`` from ``H = XᵀX`` (W is
+    ``(N, K)``): the products ``[W−Ŵ₁; …; W] · H`` as one matmul and one host sync. On CUDA it
+    runs in bf16 with fp32 accumulation (tensor cores; a report figure, good to ~3 significant
+    digits), on the CPU in fp32."""
+    w = w.float()
+    a = torch.cat([w - wh.float() for wh in w_hats] + [w])
+    if h.is_cuda:
+        ah = torch.mm(a.to(torch.bfloat16), h.to(torch.bfloat16), out_dtype=torch.float32)
+    else:
+        ah = a @ h.float()
+    *num, den = (ah * a).view(len(w_hats) + 1, w.shape[0], -1).sum((1, 2)).tolist()
+    return [x / den if den > 0 else 0.0 for x in num]
+
+
 def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
     """Relative output error ``‖X(W−Ŵ)ᵀ‖² / ‖XWᵀ‖²`` from ``H = XᵀX`` (W is ``(N, K)``)."""
-    w = w.float()
-    d = w - w_hat.float()
-    num = ((d @ h) * d).sum()
-    den = ((w @ h) * w).sum()
-    return float(num / den) if float(den) > 0 else 0.0
+    return hessian_errors(w, [w_hat], h)[0]
 
 
 class _Hessian:
@@ -343,31 +354,14 @@ def _solve_batch(
 
 
 def hessian_error_of(w: torch.Tensor, s: _Solved, h: torch.Tensor | None) -> None:
-    """Adds GPTQ's and RTN's (same grid) relative output errors to ``s``'s report row.
-
-    On CUDA the three products ``[W−Ŵ_gptq; W−Ŵ_rtn; W] · H`` run as one bf16 matmul with fp32
-    accumulation (tensor cores; a report figure, good to ~3 significant digits), with one host
-    sync; on the CPU, :func:`hessian_error` in fp32."""
+    """Adds GPTQ's and RTN's (same grid) relative output errors to ``s``'s report row."""
     if h is None:
         s.info.update(err_gptq=None, err_rtn=None)
         return
     with PHASES("report errors"):
         wd = w.to(h.device).float()
-        if h.is_cuda:
-            n = wd.shape[0]
-            a = torch.cat([wd - s.deq.to(h.device).float(), wd - _rtn_dequant(wd, s.grid), wd])
-            ab = a.to(torch.bfloat16)
-            e = (torch.mm(ab, h.to(torch.bfloat16), out_dtype=torch.float32) * a).view(3, n, -1).sum((1, 2))
-            num_g, num_r, den = e.tolist()
-            s.info.update(
-                err_gptq=num_g / den if den > 0 else 0.0,
-                err_rtn=num_r / den if den > 0 else 0.0,
-            )
-            return
-        s.info.update(
-            err_gptq=hessian_error(wd, s.deq.to(h.device), h),
-            err_rtn=hessian_error(wd, _rtn_dequant(wd, s.grid), h),
-        )
+        g, r = hessian_errors(wd, [s.deq.to(h.device), _rtn_dequant(wd, s.grid)], h)
+        s.info.update(err_gptq=g, err_rtn=r)
 
 
 # --------------------------------------------------------------------------------------
@@ -1028,15 +1022,11 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
     stats_done = False
     if opts["method"] != "gptq":
         # No Hessians: one forward for the router statistics (and REAP), then the pruned layer.
-        outs = None
         if stats is not None:
-            outs = _stats_pass(ctx, layer, routed, moe_attr, stats, hidden, chunks, rotary, li, not prune_now)
+            _stats_pass(ctx, layer, routed, moe_attr, stats, hidden, chunks, rotary, li, not prune_now)
             if prune_now:
                 _prune(ctx, layer, routed, moe_attr, li, stats)
-        if outs:
-            for ci, out in enumerate(outs):
-                hidden[ci] = out
-        else:
+        if stats is None or prune_now:
             _final_pass(
                 ctx, layer, routed, hidden, chunks, rotary, li, "zero" if opts["sparse_forward"] else "run"
             )
@@ -1126,19 +1116,26 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
     del layer, routed
 
 
-def _final_pass(ctx: _Ctx, layer, routed, hidden: _Store, chunks, rotary, li: int, mode: str) -> None:
-    """Runs the layer over every chunk; its outputs become the next layer's inputs."""
-    if routed is not None:
-        routed.mode = mode
+def _forward_chunks(layer, hidden: _Store, chunks, rotary, li: int, phase: str, store: bool) -> None:
+    """Runs the layer over every calibration chunk (NaN/Inf refused); with ``store`` its outputs
+    replace the chunks as the next layer's inputs."""
     with torch.no_grad():
         for ci in range(len(chunks)):
-            with PHASES("forward"):
+            with PHASES(phase):
                 out = _forward(layer, hidden[ci], rotary)
             if not bool(torch.isfinite(out).all()):
                 raise InvalidValueError(
                     f"layer {li}: the forward produced NaN or Inf (calibration chunk {ci})"
                 )
-            hidden[ci] = out
+            if store:
+                hidden[ci] = out
+
+
+def _final_pass(ctx: _Ctx, layer, routed, hidden: _Store, chunks, rotary, li: int, mode: str) -> None:
+    """Runs the layer over every chunk; its outputs become the next layer's inputs."""
+    if routed is not None:
+        routed.mode = mode
+    _forward_chunks(layer, hidden, chunks, rotary, li, "forward", True)
     if routed is not None:
         routed.stats = None
 
@@ -1157,12 +1154,12 @@ def _stats_pass(
     chunks,
     rotary,
     li: int,
-    keep: bool,
-):
+    store: bool,
+) -> None:
     """One forward of the (unpruned) layer over every chunk, recording the router statistics:
     routed-token counts and probability mass from the router's own output, REAP sums from the
     routed experts' outputs. With ``sparse_forward`` the routed experts are skipped (no REAP).
-    Returns the outputs when ``keep``."""
+    With ``store`` its outputs become the next layer's inputs."""
     scoring = _scoring(ctx.family)
     routed.mode = "zero" if ctx.opts["sparse_forward"] else "run"
     routed.stats = stats
@@ -1173,22 +1170,11 @@ def _stats_pass(
         stats.add_routing(logits, idx, scoring)
 
     handle = gate.register_forward_hook(hook)
-    outs = []
     try:
-        with torch.no_grad():
-            for ci in range(len(chunks)):
-                with PHASES("forward (router statistics)"):
-                    out = _forward(layer, hidden[ci], rotary)
-                if not bool(torch.isfinite(out).all()):
-                    raise InvalidValueError(
-                        f"layer {li}: the forward produced NaN or Inf (calibration chunk {ci})"
-                    )
-                if keep:
-                    outs.append(out)
+        _forward_chunks(layer, hidden, chunks, rotary, li, "forward (router statistics)", store)
     finally:
         handle.remove()
         routed.stats = None
-    return outs
 
 
 def _prune(ctx: _Ctx, layer, routed, moe_attr: str, li: int, stats: _Stats) -> None:
