@@ -3,10 +3,11 @@
 //! test hook variable.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::path::Path;
 
-use forge_io::{Dtype, ShardPlan, ShardWriter, TensorSpec};
+use forge_io::Dtype;
 use forge_run::{Error, NoProgress, Options};
 use serde_json::json;
 
@@ -29,43 +30,19 @@ fn llama(dir: &Path, layers: usize) {
             t.push((format!("model.layers.{l}.{n}"), s));
         }
     }
-    let specs: Vec<TensorSpec> = t
-        .iter()
-        .map(|(n, s)| TensorSpec::new(n.clone(), Dtype::BF16, s.clone()))
-        .collect();
-    let w = ShardWriter::create(
-        dir,
-        ShardPlan::new(specs, 1 << 30).unwrap(),
-        &BTreeMap::new(),
-    )
-    .unwrap();
-    for (k, (n, s)) in t.iter().enumerate() {
-        let bytes: Vec<u8> = (0..s.iter().product::<usize>())
+    let t: Vec<(String, Dtype, Vec<usize>)> =
+        t.into_iter().map(|(n, s)| (n, Dtype::BF16, s)).collect();
+    common::write_checkpoint(dir, &t, 1 << 30, |k, _, _, n| {
+        (0..n)
             .flat_map(|i| {
                 let x = ((i * 7919 + k * 104_729) % 2001) as f32 / 1000.0 - 1.0;
                 half::bf16::from_f32(x * 0.1).to_le_bytes()
             })
-            .collect();
-        w.write_tensor(n, &bytes).unwrap();
-    }
-    w.finish().unwrap();
+            .collect()
+    });
     let cfg = json!({"model_type": "llama", "num_hidden_layers": layers, "hidden_size": h});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
-}
-
-fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.file_name().unwrap() != "forge.lock")
-        .map(|p| {
-            (
-                p.file_name().unwrap().to_string_lossy().into_owned(),
-                std::fs::read(&p).unwrap(),
-            )
-        })
-        .collect()
 }
 
 #[test]
@@ -81,13 +58,13 @@ fn kill_between_shard_renames_resumes_byte_identically() {
     let clean = tmp.path().join("clean");
     let rep = forge_run::quantize(&src, &clean, &o, &NoProgress).unwrap();
     assert!(rep.shards >= 4, "{} shards", rep.shards);
-    let want = files(&clean);
+    let want = common::files(&clean);
 
     let out = tmp.path().join("out");
     std::env::set_var(forge_run::run::ABORT_RENAMES_ENV, "2");
     let e = forge_run::quantize(&src, &out, &o, &NoProgress).unwrap_err();
     assert!(matches!(e, Error::TestAbortFinish { renamed: 2 }), "{e}");
-    let got = files(&out);
+    let got = common::files(&out);
     let renamed: Vec<&String> = got.keys().filter(|n| n.ends_with(".safetensors")).collect();
     assert_eq!(renamed.len(), 2, "{:?}", got.keys());
     assert!(!got.contains_key("config.json") && !got.contains_key(forge_io::INDEX_FILE));
@@ -114,7 +91,7 @@ fn kill_between_shard_renames_resumes_byte_identically() {
     std::env::remove_var(forge_run::run::ABORT_RENAMES_ENV);
     let rep2 = forge_run::quantize(&src, &out, &r, &NoProgress).unwrap();
     assert_eq!(rep2.resumed_units, rep2.units);
-    assert_eq!(files(&out), want);
+    assert_eq!(common::files(&out), want);
     forge_run::verify::verify(&out).unwrap();
 
     // A renamed shard that does not match the plan is not accepted: its units are redone.
@@ -132,5 +109,5 @@ fn kill_between_shard_renames_resumes_byte_identically() {
         .unwrap();
     let rep3 = forge_run::quantize(&src, &out2, &r, &NoProgress).unwrap();
     assert!(rep3.resumed_units < rep3.units, "{}", rep3.resumed_units);
-    assert_eq!(files(&out2), want);
+    assert_eq!(common::files(&out2), want);
 }

@@ -4,6 +4,8 @@
 //! verify of pruned outputs, router statistics errors, and stats-only runs.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -11,30 +13,10 @@ use forge_io::{Checkpoint, Dtype, ShardPlan, ShardWriter, TensorSpec};
 use forge_run::cli::Outcome;
 use forge_run::options::{Criterion, Method, Size};
 use forge_run::{NoProgress, Options, Session};
-use half::bf16;
 use serde_json::{json, Value};
 
 const E: usize = 8;
 
-fn val(seed: u64, i: usize) -> f32 {
-    let mut x =
-        seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 31;
-    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^= x >> 29;
-    ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-}
-
-fn bytes(d: Dtype, n: usize, seed: u64) -> Vec<u8> {
-    match d {
-        Dtype::F32 => (0..n).flat_map(|i| val(seed, i).to_le_bytes()).collect(),
-        _ => (0..n)
-            .flat_map(|i| bf16::from_f32(val(seed, i)).to_le_bytes())
-            .collect(),
-    }
-}
-
-/// Layer 0 dense, layer 1 MoE (8 experts in 2 groups, top-2), layer 2 an MTP layer.
 fn moe(dir: &Path) -> PathBuf {
     let (h, v) = (64usize, 96usize);
     let mut t: Vec<(String, Dtype, Vec<usize>)> = vec![
@@ -76,21 +58,9 @@ fn moe(dir: &Path) -> PathBuf {
             }
         }
     }
-    let specs: Vec<TensorSpec> = t
-        .iter()
-        .map(|(n, d, s)| TensorSpec::new(n.clone(), *d, s.clone()))
-        .collect();
-    let w = ShardWriter::create(
-        dir,
-        ShardPlan::new(specs, 100_000).unwrap(),
-        &BTreeMap::new(),
-    )
-    .unwrap();
-    for (k, (n, d, s)) in t.iter().enumerate() {
-        w.write_tensor(n, &bytes(*d, s.iter().product(), k as u64))
-            .unwrap();
-    }
-    w.finish().unwrap();
+    common::write_checkpoint(dir, &t, 100_000, |k, _, d, n| {
+        common::random_bytes(d, n, k as u64)
+    });
     let cfg = json!({
         "model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": h,
         "n_routed_experts": E, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
@@ -116,8 +86,11 @@ fn llama(dir: &Path) -> PathBuf {
     )
     .unwrap();
     for s in &specs {
-        w.write_tensor(&s.name, &bytes(s.dtype, s.shape.iter().product(), 1))
-            .unwrap();
+        w.write_tensor(
+            &s.name,
+            &common::random_bytes(s.dtype, s.shape.iter().product(), 1),
+        )
+        .unwrap();
     }
     w.finish().unwrap();
     std::fs::write(

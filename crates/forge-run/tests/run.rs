@@ -3,33 +3,16 @@
 //! resumes byte-identically after an interruption, and refuses bad setups with clear errors.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use forge_io::{Checkpoint, Dtype, ShardPlan, ShardWriter, TensorSpec};
+mod common;
+
+use forge_io::{Checkpoint, Dtype};
 use forge_run::run::Progress;
 use forge_run::{Error, NoProgress, Options};
-use half::bf16;
 use serde_json::json;
 
-/// A deterministic pseudo-random value in [-0.1, 0.1).
-fn val(seed: u64, i: usize) -> f32 {
-    let mut x =
-        seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 31;
-    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^= x >> 29;
-    ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-}
-
-fn bf16_bytes(n: usize, seed: u64) -> Vec<u8> {
-    (0..n)
-        .flat_map(|i| bf16::from_f32(val(seed, i)).to_le_bytes())
-        .collect()
-}
-
-/// A Llama-like checkpoint: `layers` decoder layers, hidden 64, intermediate 128, 2 shards.
 fn llama(dir: &Path, layers: usize) -> PathBuf {
     let (h, i, v) = (64usize, 128usize, 96usize);
     let mut tensors: Vec<(String, Vec<usize>)> = vec![
@@ -53,17 +36,13 @@ fn llama(dir: &Path, layers: usize) -> PathBuf {
             tensors.push((format!("{p}{n}"), s));
         }
     }
-    let specs: Vec<TensorSpec> = tensors
-        .iter()
-        .map(|(n, s)| TensorSpec::new(n.clone(), Dtype::BF16, s.clone()))
+    let t: Vec<(String, Dtype, Vec<usize>)> = tensors
+        .into_iter()
+        .map(|(n, s)| (n, Dtype::BF16, s))
         .collect();
-    let plan = ShardPlan::new(specs, 60_000).unwrap();
-    let w = ShardWriter::create(dir, plan, &BTreeMap::new()).unwrap();
-    for (k, (n, s)) in tensors.iter().enumerate() {
-        w.write_tensor(n, &bf16_bytes(s.iter().product(), k as u64))
-            .unwrap();
-    }
-    w.finish().unwrap();
+    common::write_checkpoint(dir, &t, 60_000, |k, _, d, n| {
+        common::random_bytes(d, n, k as u64)
+    });
     let cfg = json!({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers, "hidden_size": h});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
@@ -76,19 +55,6 @@ fn opts(g: usize) -> Options {
         max_shard_size: forge_run::options::Size::Bytes(50_000),
         ..Options::default()
     }
-}
-
-fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let p = e.unwrap().path();
-            (
-                p.file_name().unwrap().to_string_lossy().into_owned(),
-                std::fs::read(&p).unwrap(),
-            )
-        })
-        .collect()
 }
 
 #[test]
@@ -161,12 +127,18 @@ fn output_does_not_depend_on_threads_or_grid_mode_is_applied() {
     o2.threads = Some(2);
     forge_run::quantize(&src, &tmp.path().join("a"), &o1, &NoProgress).unwrap();
     forge_run::quantize(&src, &tmp.path().join("b"), &o2, &NoProgress).unwrap();
-    assert_eq!(files(&tmp.path().join("a")), files(&tmp.path().join("b")));
+    assert_eq!(
+        common::files(&tmp.path().join("a")),
+        common::files(&tmp.path().join("b"))
+    );
     let mut o3 = opts(32);
     o3.grid = forge_run::options::Grid::Mse;
     let rep = forge_run::quantize(&src, &tmp.path().join("c"), &o3, &NoProgress).unwrap();
     assert_eq!(rep.quantizer, "rtn-mse");
-    assert_ne!(files(&tmp.path().join("a")), files(&tmp.path().join("c")));
+    assert_ne!(
+        common::files(&tmp.path().join("a")),
+        common::files(&tmp.path().join("c"))
+    );
 }
 
 /// Stops the run after `n` units, as a kill would.
@@ -198,7 +170,7 @@ fn resume_after_interruption_is_byte_identical() {
     assert!(matches!(e, Error::Interrupted));
     let rep = forge_run::quantize(&src, &out, &r, &NoProgress).unwrap();
     assert_eq!(rep.resumed_units, 3);
-    assert_eq!(files(&out), files(&clean));
+    assert_eq!(common::files(&out), common::files(&clean));
 }
 
 #[test]
@@ -361,19 +333,11 @@ fn every_format_verifies_and_holds_the_same_grid() {
                 std::fs::remove_file(p).unwrap();
             }
         }
-        let specs = keep
+        let t: Vec<(String, Dtype, Vec<usize>)> = keep
             .iter()
-            .map(|(n, d, s, _)| TensorSpec::new(n.clone(), *d, s.clone()));
-        let w = ShardWriter::create(
-            dir,
-            ShardPlan::new(specs, 1 << 30).unwrap(),
-            &BTreeMap::new(),
-        )
-        .unwrap();
-        for (n, _, _, b) in &keep {
-            w.write_tensor(n, b).unwrap();
-        }
-        w.finish().unwrap();
+            .map(|(n, d, s, _)| (n.clone(), *d, s.clone()))
+            .collect();
+        common::write_checkpoint(dir, &t, 1 << 30, |k, _, _, _| keep[k].3.clone());
     };
     rewrite(&gptq, &|n, _| n != "model.layers.0.mlp.up_proj.g_idx");
     let e = forge_run::verify::verify(&gptq).unwrap_err().to_string();

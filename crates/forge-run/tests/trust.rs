@@ -3,10 +3,11 @@
 //! what forge writes.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::path::{Path, PathBuf};
 
-use forge_io::{Dtype, ShardPlan, ShardWriter, TensorSpec};
+use forge_io::Dtype;
 use forge_run::{Error, NoProgress, Options};
 use serde_json::json;
 
@@ -29,22 +30,9 @@ fn checkpoint(dir: &Path, tweak: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>
         t.push((format!("model.layers.0.{n}"), Dtype::BF16, s));
     }
     tweak(&mut t);
-    let specs: Vec<TensorSpec> = t
-        .iter()
-        .map(|(n, d, s)| TensorSpec::new(n.clone(), *d, s.clone()))
-        .collect();
-    let w = ShardWriter::create(
-        dir,
-        ShardPlan::new(specs, 1 << 30).unwrap(),
-        &BTreeMap::new(),
-    )
-    .unwrap();
-    for (n, d, s) in &t {
-        let len = s.iter().product::<usize>() * d.size();
-        let byte = if *d == Dtype::F8_E4M3 { 0x38 } else { 0x3c };
-        w.write_tensor(n, &vec![byte; len]).unwrap();
-    }
-    w.finish().unwrap();
+    common::write_checkpoint(dir, &t, 1 << 30, |_, _, d, n| {
+        vec![if d == Dtype::F8_E4M3 { 0x38 } else { 0x3c }; n * d.size()]
+    });
     let cfg = json!({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": h});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
