@@ -549,7 +549,7 @@ class _RoutedExperts(torch.nn.Module):
         """The remap layout's routing (what forge's vLLM plugin computes): ids through the layer's
         map, pruned picks weighted 0 and the rest rescaled to the token's original weight sum.
         Pruned picks go to the bucket ``n_experts``, which no expert reads."""
-        m = self.remap.to(idx.device)
+        m = self.remap
         ids, w = remap_routing(idx, wts, m)
         ids = torch.where(m[idx.long()] >= 0, ids.to(idx.dtype), self.n_experts)
         return ids, w.to(wts.dtype)
@@ -1219,7 +1219,7 @@ def _apply_pruning(ctx: _Ctx, layer, routed, moe_attr: str, keep: list[int]) -> 
     else:
         m = torch.full((n,), -1, dtype=torch.long)
         m[torch.tensor(keep)] = torch.arange(len(keep))
-        routed.remap = m
+        routed.remap = m.to(ctx.device)  # on the compute device once, not per forward
     routed.w = {c: routed.w[e] for c, e in enumerate(keep)}
     routed.n_experts = len(keep)
 
