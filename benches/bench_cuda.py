@@ -1,12 +1,14 @@
 """GPU benchmark of the CUDA kernels against peers run in the same process (ratios).
 
-    python benches/bench_cuda.py [--json out.json] [--quick] [--only gemm,pack,gptq,mse]
+    python benches/bench_cuda.py [--json out.json] [--only gemm,pack,mse,gptq,prep,hessian]
 
 Peers: bf16 ``X @ W.T`` (cuBLAS) and ``torch.ops.aten._weight_int4pack_mm`` (PyTorch's
 int4 "tinygemm") for the W4A16 GEMM; a device-to-device copy for the fused AWQ
 quantize+pack; the GPTQ authors' blocked "fasterquant" loop (one matrix) and the same loop
 vectorised over experts with ``torch.bmm`` (static groups) for the GPTQ solver; a
-vectorised plain-PyTorch MSE grid search. DeepSeek-V3 shapes, group 128.
+vectorised plain-PyTorch MSE grid search; the previous chol + inverse + chol Hessian
+preparation; a torch loop of ``mm(out_dtype=float32)`` over experts for the per-expert
+Hessians. DeepSeek-V3 shapes, group 128.
 """
 
 from __future__ import annotations
@@ -258,6 +260,151 @@ def bench_gptq(rows, batch):
             del w, u, qm, wt
 
 
+def prepare_peer(h, percdamp=0.01):
+    """The previous preparation (kept here as the peer): Cholesky, ``cholesky_inverse``, then
+    Cholesky of the inverse (upper), batched, on copies of the whole batch."""
+    c = h.shape[-1]
+    diag = torch.diagonal(h, dim1=1, dim2=2)
+    damp = percdamp * diag.mean(1)
+    hd = h + damp[:, None, None] * torch.eye(c, device=h.device)
+    lo, _ = torch.linalg.cholesky_ex(hd)
+    u, _ = torch.linalg.cholesky_ex(torch.cholesky_inverse(lo), upper=True)
+    return u
+
+
+def inverse_residual(u, h, damp):
+    """``max |Uᵀ U (H + damp I) − I|`` in float64 (how well ``U`` factorises the inverse)."""
+    c = h.shape[-1]
+    eye = torch.eye(c, device=h.device, dtype=torch.float64)
+    hd = h.double() + damp * eye
+    return float(((u.double().T @ u.double()) @ hd - eye).abs().max())
+
+
+def peak_extra(fn):
+    """``(result, seconds, peak bytes allocated above the starting point)`` of one call."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t = cuda_time(fn, reps=1, warmup=0)
+    out = fn()
+    torch.cuda.synchronize()
+    return out, t, torch.cuda.max_memory_allocated() - base
+
+
+def bench_prep(rows, batch):
+    """Hessian preparation (damping, U = chol(H^-1)) per expert batch, against the previous
+    three-factorisation version: time, peak extra memory in units of the batch's Hessians,
+    and the inverse residual of both against float64."""
+    for k, want in ((7168, 16), (2048, 64)):
+        e = min(batch or want, want)
+        x = torch.randn(e, 2 * k, k, device="cuda", dtype=torch.bfloat16)
+        h = torch.bmm(x.transpose(1, 2), x, out_dtype=torch.float32) / x.shape[1]
+        del x
+        hbytes = h.numel() * 4
+        forge.prepare_hessian_batched(h[:1], 0.01)  # warm-up (cuSOLVER handles)
+        prepare_peer(h[:1])
+        (u, _, damp, _, _), t_ours, m_ours = peak_extra(lambda h=h: forge.prepare_hessian_batched(h, 0.01))
+        res_ours = inverse_residual(u[0], h[0], damp[0])
+        del u
+        torch.cuda.empty_cache()
+        up, t_peer, m_peer = peak_extra(lambda h=h: prepare_peer(h))
+        res_peer = inverse_residual(up[0], h[0], damp[0])
+        del up, h
+        torch.cuda.empty_cache()
+        rows.append(
+            dict(
+                op="prepare_hessian",
+                shape=f"K={k} x{e}",
+                M="-",
+                peer="chol+inverse+chol",
+                peer_us=t_peer * 1e6,
+                ours_us=t_ours * 1e6,
+                ratio=t_peer / t_ours,
+                per_matrix_ms=t_ours * 1e3 / e,
+                extra_mem_x_hessians=m_ours / hbytes,
+                peer_extra_mem_x_hessians=m_peer / hbytes,
+                inverse_residual=res_ours,
+                peer_inverse_residual=res_peer,
+            )
+        )
+        print_row(rows[-1])
+
+
+def bench_hessian(rows):
+    """Per-expert Hessians ``X_eᵀ X_e`` (fp32 accumulate, bf16 inputs) of a layer's routed
+    tokens: forge's :func:`forge.calibrate.gram` (upper blocks only) against a torch loop of
+    ``mm(out_dtype=float32)``, and the dense ``XᵀX`` of o_proj's input (D=16384) against one
+    cuBLAS ``mm``; errors against float64."""
+    from forge.calibrate import gram
+
+    xd = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
+    t_peer = cuda_time(lambda xd=xd: torch.mm(xd.t(), xd, out_dtype=torch.float32), reps=5)
+    t_ours = cuda_time(lambda xd=xd: gram(xd), reps=5)
+    ref = xd[:, :512].double().T @ xd[:, :512].double()
+    err = float((gram(xd)[:512, :512].double() - ref).abs().max() / ref.abs().max())
+    rows.append(
+        dict(
+            op="hessian_dense",
+            shape="D=16384 T=16384",
+            M="-",
+            peer="cuBLAS mm fp32 out",
+            peer_us=t_peer * 1e6,
+            ours_us=t_ours * 1e6,
+            ratio=t_peer / t_ours,
+            rel_err_vs_f64=err,
+        )
+    )
+    print_row(rows[-1])
+    del xd
+    e, top_k, t, d = 64, 8, 32768, 7168
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, 256, device="cuda") + torch.randn(256, device="cuda")
+    idx = logits.topk(top_k, dim=-1).indices.reshape(-1) % e
+    order = torch.argsort(idx, stable=True)
+    counts = torch.bincount(idx, minlength=e)
+    tok = order // top_k
+
+    def loop():
+        xs = x[tok]
+        out, start = [], 0
+        for c in counts.tolist():
+            xe = xs[start : start + c]
+            out.append(torch.mm(xe.t(), xe, out_dtype=torch.float32))
+            start += c
+        return torch.stack(out)
+
+    def ours():
+        xs = x[tok]
+        out, start = [], 0
+        for c in counts.tolist():
+            out.append(gram(xs[start : start + c]))
+            start += c
+        return torch.stack(out)
+
+    t_peer = cuda_time(loop, reps=3, warmup=1)
+    t_ours = cuda_time(ours, reps=3, warmup=1)
+    a, b = ours(), loop()
+    e0 = int(counts.argmax())
+    xe = x[tok[int(counts[:e0].sum()) : int(counts[: e0 + 1].sum())]].double()
+    ref = xe.T @ xe
+    err = float((a[e0].double() - ref).abs().max() / ref.abs().max())
+    err_peer = float((b[e0].double() - ref).abs().max() / ref.abs().max())
+    rows.append(
+        dict(
+            op="hessian_experts",
+            shape=f"D={d} {e} experts, {t}x{top_k} rows",
+            M="-",
+            peer="torch mm loop",
+            peer_us=t_peer * 1e6,
+            ours_us=t_ours * 1e6,
+            ratio=t_peer / t_ours,
+            rel_err_vs_f64=err,
+            peer_rel_err_vs_f64=err_peer,
+        )
+    )
+    print_row(rows[-1])
+
+
 def print_row(r):
     extra = ""
     if "limit_pct" in r:
@@ -265,7 +412,15 @@ def print_row(r):
     if "vs_tinygemm" in r:
         extra += f"  x{r['vs_tinygemm']:.2f} vs tinygemm"
     if "per_matrix_ms" in r:
-        extra += f"  {r['per_matrix_ms']:.2f} ms/matrix {r['tflops']:.1f} TFLOP/s"
+        extra += f"  {r['per_matrix_ms']:.2f} ms/matrix"
+    if "tflops" in r:
+        extra += f" {r['tflops']:.1f} TFLOP/s"
+    if "extra_mem_x_hessians" in r:
+        extra += (
+            f"  extra memory {r['extra_mem_x_hessians']:.2f}x H (peer {r['peer_extra_mem_x_hessians']:.2f}x)"
+        )
+    if "rel_err_vs_f64" in r:
+        extra += f"  rel err {r['rel_err_vs_f64']:.1e}"
     print(
         f"{r['op']:15s} {r['shape']:22s} M={str(r['M']):>4s} {r['peer']:22s} {r['peer_us']:10.1f}us "
         f"ours {r['ours_us']:10.1f}us  x{r['ratio']:6.2f}{extra}",
@@ -276,7 +431,7 @@ def print_row(r):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default="gemm,pack,mse,gptq")
+    ap.add_argument("--only", default="gemm,pack,mse,gptq,prep,hessian")
     ap.add_argument(
         "--batch", type=int, default=None, help="experts per batched GPTQ call (default: 64, or what fits)"
     )
@@ -299,6 +454,10 @@ def main() -> None:
         bench_mse(rows)
     if "gptq" in only:
         bench_gptq(rows, args.batch)
+    if "prep" in only:
+        bench_prep(rows, args.batch)
+    if "hessian" in only:
+        bench_hessian(rows)
 
 
 class Rows(list):

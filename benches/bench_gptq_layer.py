@@ -6,13 +6,15 @@ q_lora 1536 / kv_lora 512 / 128 heads, 256 routed experts of 2048 plus one share
 as the released checkpoint is; then runs ``forge.quantize_model(method="gptq")`` on the GPU
 over ``--tokens`` calibration tokens and prints seconds per phase (read, FP8 dequant, forward,
 Hessians, GPTQ, pack+write, ...), peak GPU memory, and a projection to the whole model
-(58 MoE + 3 dense layers at 512 x 4096 calibration tokens): phases that scale with tokens
-(forward, Hessians, expert gather) are multiplied by the token ratio, the others are not.
+(58 MoE + 3 dense layers at 512 x 4096 calibration tokens): the token phases (forward,
+Hessians, expert gather + forward) extrapolated linearly through the two largest runs, the
+solves and I/O as measured, and an upper bound that multiplies the
+token-dependent phases of the largest run by the token ratio.
 
 The routing is skewed on purpose (``e_score_correction_bias`` drawn from a normal with
 ``--skew`` standard deviation), so experts see uneven token counts as in a real model.
 
-    python benches/bench_gptq_layer.py [--tokens 4096,32768] [--json out.json] [--keep DIR]
+    python benches/bench_gptq_layer.py [--tokens 32768,131072] [--json out.json] [--keep DIR]
 
 Rows are written to the JSON file as soon as they are measured.
 """
@@ -168,7 +170,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--tokens",
-        default="4096,32768",
+        default="32768,131072",
         help="calibration token counts, comma-separated (seqlen 512 windows)",
     )
     ap.add_argument("--experts", type=int, default=256)
@@ -221,23 +223,45 @@ def main() -> int:
         for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
             print(f"{'':14s}{k:32s} {v:9.2f}")
         print(f"peak GPU memory {peak:.1f} GiB")
-    # Projection from the largest (warm) run: phases that scale with the calibration tokens
-    # (forward, Hessians, expert gather + forward) proportionally, the solves and I/O as they are
-    # (they depend on the weights only). Proportional scaling of a short run is an upper bound:
-    # per-launch overheads do not grow with the tokens.
+    # Projection to 512 x 4096 calibration tokens. Upper bound: phases that scale with the
+    # tokens (forward, Hessians, expert gather + forward) proportionally from the largest run,
+    # the solves and I/O as they are (they depend on the weights only); proportional scaling
+    # of a short run overstates, since per-launch overheads do not grow with the tokens.
+    # Linear: with two or more runs, the token phases extrapolated along the line through the
+    # two largest runs (never below the largest measurement), the others as measured there.
     full = 512 * 4096
-    r2 = max(runs, key=lambda r: r["tokens"])
+    runs.sort(key=lambda r: r["tokens"])
+    r2 = runs[-1]
     ratio = full / r2["tokens"]
-    proj_phases = {
-        k: v * (ratio if k in TOKEN_PHASES else 1.0) for k, v in r2["phases"].items() if k != "total"
-    }
-    how = f"from the {r2['tokens']}-token run: token phases x{ratio:.0f}, solves and I/O unchanged"
+    upper = {k: v * (ratio if k in TOKEN_PHASES else 1.0) for k, v in r2["phases"].items() if k != "total"}
+    proj_phases = upper
+    how = (
+        f"upper bound from the {r2['tokens']}-token run: token phases x{ratio:.0f}, solves and I/O unchanged"
+    )
+    if len(runs) >= 2:
+        r1 = runs[-2]
+        dt = r2["tokens"] - r1["tokens"]
+        proj_phases = {
+            k: v
+            + (
+                max(0.0, (v - r1["phases"].get(k, 0.0)) / dt) * (full - r2["tokens"])
+                if k in TOKEN_PHASES
+                else 0.0
+            )
+            for k, v in r2["phases"].items()
+            if k != "total"
+        }
+        how = (
+            f"token phases linear through the {r1['tokens']}- and {r2['tokens']}-token runs, "
+            "solves and I/O as measured"
+        )
     per_layer = sum(proj_phases.values())
     proj = {
         "row": "projection: DeepSeek-V3 (58 MoE + 3 dense layers), 512 x 4096 tokens",
         "per_moe_layer_s": per_layer,
         "phases_s": proj_phases,
         "whole_model_h": per_layer * 61 / 3600,
+        "upper_bound_per_moe_layer_s": sum(upper.values()),
         "how": how,
     }
     write_row(args.json, proj)

@@ -149,6 +149,21 @@ def test_prepare_hessian_gpu_matches_cpu():
             assert torch.equal(b.perm.cpu(), a.perm)
 
 
+@pytest.mark.parametrize("t,d", [(300, 200), (4096, 2100), (2048, 4096)])
+def test_gram_blocks_match_float64(t, d):
+    """calibrate.gram (upper column blocks on tensor cores, mirrored) is XᵀX of the bf16
+    values with fp32 accumulation: symmetric, and within fp32 rounding of float64."""
+    from forge.calibrate import gram
+
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(t, d, generator=g) * torch.rand(d, generator=g)).bfloat16()
+    got = gram(x.cuda()).cpu()
+    ref = x.double().T @ x.double()
+    assert got.dtype == torch.float32
+    assert float((got - got.T).abs().max()) <= 1e-6 * float(got.abs().max())
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_hessian_update_and_segments(dtype):
     g = torch.Generator().manual_seed(6)

@@ -157,6 +157,29 @@ def test_prepare_hessian_factor(layer, act_order, percdamp):
     assert torch.linalg.norm(u.double() - u_ref) / torch.linalg.norm(u_ref) < 1e-3
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_prepare_hessian_large_blocked_inverse(act_order):
+    """C = 1100 (> the 512 base case, not a multiple of 64): the blocked triangular inverse,
+    the reversal and the batch loop against the float64 three-factorisation reference."""
+    gen = torch.Generator().manual_seed(3)
+    k = 1100
+    x = correlated_inputs(2048, k, gen)
+    h = hessian_of(x)
+    h[5, :] = 0
+    h[:, 5] = 0
+    u, perm, damp, retries, dead = forge.prepare_hessian_batched(torch.stack([h, 2 * h]), 0.01, act_order)
+    for i, scale in enumerate((1.0, 2.0)):
+        hd, u_ref, perm_ref, _, damp_ref = ref_prepare(scale * h, 0.01, act_order)
+        assert dead[i] == 1 and retries[i] == 0
+        assert damp[i] == pytest.approx(damp_ref, rel=1e-5)
+        assert torch.equal(u[i], torch.triu(u[i])) and torch.all(torch.diag(u[i]) > 0)
+        assert torch.linalg.norm(u[i].double() - u_ref) / torch.linalg.norm(u_ref) < 1e-3
+        if act_order:
+            assert torch.equal(perm[i], perm_ref)
+        else:
+            assert perm is None
+
+
 def test_prepare_hessian_dead_inputs(layer):
     _, _, h = layer
     h = h.clone()

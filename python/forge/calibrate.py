@@ -212,6 +212,35 @@ def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> floa
     return hessian_errors(w, [w_hat], h)[0]
 
 
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """``XᵀX (D, D)`` in float32 of ``x (T, D)``.
+
+    bf16 CUDA inputs run on tensor cores with fp32 accumulation (bf16 products are exact in
+    fp32, so this is the fp32 product of the same values); with many rows only the blocks on
+    and above the diagonal are multiplied (``nb (nb + 1) / 2`` of ``nb²`` column blocks, 10
+    of 16 for ``nb = 4``) and mirrored. Other inputs: one fp32 ``mm``.
+    """
+    t, d = x.shape
+    if not (x.is_cuda and x.dtype == torch.bfloat16):
+        xf = x.float()
+        return xf.t() @ xf
+    nb = min(4, d // 1024) if t >= 2048 else 1
+    if nb <= 1:
+        return torch.mm(x.t(), x, out_dtype=torch.float32)
+    edges = [round(d * i / nb / 64) * 64 for i in range(nb)] + [d]
+    h = torch.empty(d, d, dtype=torch.float32, device=x.device)
+    for i in range(nb):
+        a0, a1 = edges[i], edges[i + 1]
+        xa = x[:, a0:a1]
+        for j in range(i, nb):
+            b0, b1 = edges[j], edges[j + 1]
+            blk = torch.mm(xa.t(), x[:, b0:b1], out_dtype=torch.float32)
+            h[a0:a1, b0:b1] = blk
+            if j != i:
+                h[b0:b1, a0:a1] = blk.t()
+    return h
+
+
 class _Hessian:
     """``XᵀX`` in fp32 over the calibration tokens that reach one linear (full or block-diagonal)."""
 
@@ -237,11 +266,8 @@ class _Hessian:
         if self.block:
             xb = x.float().view(x.shape[0], self.k // self.block, self.block).transpose(0, 1)
             self.h.baddbmm_(xb.transpose(1, 2), xb)
-        elif x.is_cuda and x.dtype == torch.bfloat16:
-            self.h += torch.mm(x.t(), x, out_dtype=torch.float32)  # tensor cores, exact products
         else:
-            xf = x.float()
-            self.h.addmm_(xf.t(), xf)
+            self.h += gram(x)
 
     def full(self) -> torch.Tensor:
         if not self.block:
@@ -330,16 +356,19 @@ def _solve_batch(
         t0 = time.perf_counter()
         b, n, k = w.shape
         w32 = w.float().contiguous()
-        qmeta, _, _ = build_quant_grid(
-            w32.reshape(b * n, k), g, 4, opts["symmetric"], opts["grid"], **_grid_kw(opts)
-        )
-        qmeta = qmeta.reshape(b, n, -1, 4)
-        u, perm, damp, retries, dead = prepare_hessian_batched(
-            h.float().contiguous(), opts["damp"], opts["act_order"]
-        )
-        codes, _ = gptq_solve_batched(
-            w32.transpose(1, 2).contiguous(), u, qmeta.to(u.device), 4, g, opts["block_size"], perm
-        )
+        with PHASES("gptq: grid"):
+            qmeta, _, _ = build_quant_grid(
+                w32.reshape(b * n, k), g, 4, opts["symmetric"], opts["grid"], **_grid_kw(opts)
+            )
+            qmeta = qmeta.reshape(b, n, -1, 4)
+        with PHASES("gptq: prepare"):
+            u, perm, damp, retries, dead = prepare_hessian_batched(
+                h.float().contiguous(), opts["damp"], opts["act_order"]
+            )
+        with PHASES("gptq: solve"):
+            codes, _ = gptq_solve_batched(
+                w32.transpose(1, 2).contiguous(), u, qmeta.to(u.device), 4, g, opts["block_size"], perm
+            )
         del u
         dt = (time.perf_counter() - t0) / b
         out = []
@@ -1253,6 +1282,36 @@ def _solve_group(items: list[dict], key: str, opts: dict) -> None:
         hessian_error_of(it[key + "_w"], it[key], it[key + "_h"])
 
 
+_MAX_PENDING_WRITES = 96
+"""Expert tensors copied to the host and not yet written (bounds the pinned host memory)."""
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of ``t``: from CUDA into pinned memory without waiting (see
+    :func:`_event`), otherwise a plain copy."""
+    if not t.is_cuda:
+        return t.contiguous()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def _event(t: torch.Tensor):
+    """A CUDA event recorded after the copies queued so far on ``t``'s device (None on CPU)."""
+    if not t.is_cuda:
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def _write_when(ready, sess, name: str, codes: torch.Tensor, qmeta: torch.Tensor) -> None:
+    """Writer-thread task: waits for the host copies of ``codes``/``qmeta``, then writes."""
+    if ready is not None:
+        ready.synchronize()
+    sess.write_linear(name, codes, qmeta)
+
+
 def _solve_experts(
     ctx: _Ctx, routed: _RoutedExperts, u: dict, stats: _Stats | None, fam: _Experts, hblock, bar
 ) -> torch.Tensor:
@@ -1351,8 +1410,11 @@ def _solve_experts(
                 ):
                     if base + leaf in planned:
                         with PHASES("copy to host"):
-                            c_host, q_host = codes.cpu().contiguous(), qmeta.cpu().contiguous()
-                        writes.append(pool.submit(ctx.sess.write_linear, base + leaf, c_host, q_host))
+                            c_host, q_host, ready = _to_host(codes), _to_host(qmeta), _event(codes)
+                        writes.append(pool.submit(_write_when, ready, ctx.sess, base + leaf, c_host, q_host))
+                        while len(writes) > _MAX_PENDING_WRITES:
+                            with PHASES("pack+write (waiting)"):
+                                writes.pop(0).result()
                 for leaf, s in ((f"{fam.gate}+{fam.up}", s_gu), (fam.down, s_d)):
                     ctx.report.append({"layer": li, "module": base + leaf, "expert": e, **s.info})
                 if it["n"]:

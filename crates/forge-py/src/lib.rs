@@ -16,7 +16,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::quantize_rtn, m)?)?;
     m.add_function(wrap_pyfunction!(ops::encode_qmeta, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_qmeta, m)?)?;
-    m.add_function(wrap_pyfunction!(ops::prepare_hessian, m)?)?;
     m.add_function(wrap_pyfunction!(ops::gptq_solve, m)?)?;
     m.add_function(wrap_pyfunction!(ops::pack_awq, m)?)?;
     m.add_function(wrap_pyfunction!(ops::quantize_pack_awq, m)?)?;

@@ -242,47 +242,6 @@ pub fn decode_qmeta<'py>(
     ))
 }
 
-/// `(hinv_chol (C, C) f32, perm int64 or None, damp, retries, dead)`.
-#[pyfunction]
-pub fn prepare_hessian<'py>(
-    py: Python<'py>,
-    hessian: &Bound<'py, PyAny>,
-    percdamp: f32,
-    act_order: bool,
-) -> PyResult<Bound<'py, PyAny>> {
-    let h = Tensor::extract("hessian", hessian)?;
-    h.require_cpu()?;
-    h.require_dtype(&[DType::F32])?;
-    h.require_ndim(2, "(C, C)")?;
-    if h.shape[0] != h.shape[1] {
-        return Err(raise(
-            py,
-            "ShapeError",
-            format!(
-                "hessian: expected a square (C, C) matrix, got {:?}",
-                h.shape
-            ),
-        ));
-    }
-    let c = h.shape[0];
-    // SAFETY: f32 checked.
-    let hv: &[f32] = unsafe { h.slice() };
-    let f = detach_guarded(py, "prepare_hessian", || {
-        gptq::prepare_hessian(hv, c, percdamp, act_order)
-    })?
-    .map_err(|e| core_err(py, e))?;
-    let u = from_vec(py, &f.hinv_chol, &[c, c], DType::F32)?;
-    let perm = match &f.perm {
-        Some(p) => {
-            let p: Vec<i64> = p.iter().map(|&i| i as i64).collect();
-            from_vec(py, &p, &[c], DType::I64)?
-        }
-        None => py.None().into_bound(py),
-    };
-    let tuple = (u, perm, f.damp, f.retries, f.dead).into_pyobject(py)?;
-    Ok(tuple.into_any())
-}
-
 /// GPTQ solve on `weight_t (C, R)`; returns `(codes (C, R) uint8, dequantized (C, R) f32)`.
 #[pyfunction]
 #[pyo3(signature = (weight_t, hinv_chol, qmeta, bits, group_size, block_size, perm=None))]
