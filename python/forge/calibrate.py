@@ -1282,36 +1282,6 @@ def _solve_group(items: list[dict], key: str, opts: dict) -> None:
         hessian_error_of(it[key + "_w"], it[key], it[key + "_h"])
 
 
-_MAX_PENDING_WRITES = 96
-"""Expert tensors copied to the host and not yet written (bounds the pinned host memory)."""
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous host copy of ``t``: from CUDA into pinned memory without waiting (see
-    :func:`_event`), otherwise a plain copy."""
-    if not t.is_cuda:
-        return t.contiguous()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
-
-
-def _event(t: torch.Tensor):
-    """A CUDA event recorded after the copies queued so far on ``t``'s device (None on CPU)."""
-    if not t.is_cuda:
-        return None
-    ev = torch.cuda.Event()
-    ev.record()
-    return ev
-
-
-def _write_when(ready, sess, name: str, codes: torch.Tensor, qmeta: torch.Tensor) -> None:
-    """Writer-thread task: waits for the host copies of ``codes``/``qmeta``, then writes."""
-    if ready is not None:
-        ready.synchronize()
-    sess.write_linear(name, codes, qmeta)
-
-
 def _solve_experts(
     ctx: _Ctx, routed: _RoutedExperts, u: dict, stats: _Stats | None, fam: _Experts, hblock, bar
 ) -> torch.Tensor:
@@ -1410,11 +1380,8 @@ def _solve_experts(
                 ):
                     if base + leaf in planned:
                         with PHASES("copy to host"):
-                            c_host, q_host, ready = _to_host(codes), _to_host(qmeta), _event(codes)
-                        writes.append(pool.submit(_write_when, ready, ctx.sess, base + leaf, c_host, q_host))
-                        while len(writes) > _MAX_PENDING_WRITES:
-                            with PHASES("pack+write (waiting)"):
-                                writes.pop(0).result()
+                            c_host, q_host = codes.cpu().contiguous(), qmeta.cpu().contiguous()
+                        writes.append(pool.submit(ctx.sess.write_linear, base + leaf, c_host, q_host))
                 for leaf, s in ((f"{fam.gate}+{fam.up}", s_gu), (fam.down, s_d)):
                     ctx.report.append({"layer": li, "module": base + leaf, "expert": e, **s.info})
                 if it["n"]:
