@@ -292,7 +292,8 @@ def _grid_kw(opts: dict) -> dict:
 
 def _decode(qmeta: torch.Tensor, g: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-element zero points, fp16-rounded scales (as AWQ stores them) and inverse scales,
-    each ``(N, K)`` on ``device``, from a grid ``(N, K/G, 4)``."""
+    each ``(..., N, K)`` on ``device``, from a grid ``(..., N, K/G, 4)`` (one host round trip
+    for a whole batch of grids)."""
     from .quant import decode_qmeta
 
     scale, zero, sym = decode_qmeta(qmeta.cpu())
@@ -372,8 +373,9 @@ def _solve_batch(
         del u
         dt = (time.perf_counter() - t0) / b
         out = []
+        grids = _decode(qmeta, g, k, w.device)
         for i in range(b):
-            grid = _decode(qmeta[i], g, k, w.device)
+            grid = tuple(t[i] for t in grids)
             c = codes[i].to(w.device)
             info = _info(
                 "gptq", tokens[i], fallbacks[i], time.perf_counter() - dt, damp[i], retries[i], dead[i]
