@@ -14,7 +14,7 @@ token-dependent phases of the largest run by the token ratio.
 The routing is skewed on purpose (``e_score_correction_bias`` drawn from a normal with
 ``--skew`` standard deviation), so experts see uneven token counts as in a real model.
 
-    python benches/bench_gptq_layer.py [--tokens 32768,131072] [--json out.json] [--keep DIR]
+    python benches/bench_gptq_layer.py [--tokens 8192,65536,262144] [--json out.json] [--keep DIR]
 
 Rows are written to the JSON file as soon as they are measured.
 """
@@ -170,8 +170,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--tokens",
-        default="32768,131072",
-        help="calibration token counts, comma-separated (seqlen 512 windows)",
+        default="8192,65536,262144",
+        help="calibration token counts, comma-separated (seqlen 512 windows); the projection fits the two largest, so the first run also warms up",
     )
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--skew", type=float, default=0.05, help="std of e_score_correction_bias (routing skew)")
