@@ -2,7 +2,8 @@
 and the per-call cost of one AwqLinear vs a bf16 nn.Linear.
 
     python benches/bench_runtime.py FORGED_DIR ORIG_DIR [--device cpu|cuda] [--batch 1 16]
-        [--new-tokens 32] [--no-graphs] [--eager-too] [--micro] [--moe-micro] [--json out.json]
+        [--new-tokens 32] [--no-graphs] [--eager-too] [--micro] [--moe-micro]
+        [--models w4a16 bf16] [--json out.json]
     python benches/bench_runtime.py --micro-only [--json out.json]
 
 Decode: greedy ``model.generate`` (``min_new_tokens = max_new_tokens``, so every row decodes
@@ -286,6 +287,13 @@ def main() -> None:
     p.add_argument("--micro", action="store_true", help="also the per-call AwqLinear vs nn.Linear rows")
     p.add_argument("--micro-only", action="store_true")
     p.add_argument("--moe-micro", action="store_true", help="also one AwqExperts layer: grouped vs loop")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["w4a16", "bf16"],
+        choices=["w4a16", "bf16"],
+        help="decode rows of these",
+    )
     p.add_argument("--json", default="bench_runtime.json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # child: w4a16 | bf16 | micro | moe_micro
     args = p.parse_args()
@@ -305,7 +313,7 @@ def main() -> None:
     if args.moe_micro:
         children.append("moe_micro")
     if not args.micro_only:
-        children += ["w4a16", "bf16"]
+        children += args.models
     for child in children:
         cmd = [sys.executable, "-X", "faulthandler", __file__, *sys.argv[1:], "--one", child]
         t0 = time.perf_counter()
