@@ -2,7 +2,8 @@
 and the per-call cost of one AwqLinear vs a bf16 nn.Linear.
 
     python benches/bench_runtime.py FORGED_DIR ORIG_DIR [--device cpu|cuda] [--batch 1 16]
-        [--new-tokens 32] [--no-graphs] [--eager-too] [--micro] [--json out.json]
+        [--new-tokens 32] [--no-graphs] [--eager-too] [--micro] [--moe-micro]
+        [--models w4a16 bf16] [--json out.json]
     python benches/bench_runtime.py --micro-only [--json out.json]
 
 Decode: greedy ``model.generate`` (``min_new_tokens = max_new_tokens``, so every row decodes
@@ -12,6 +13,13 @@ which generate compiles the forward itself with ``mode="reduce-overhead"`` (CUDA
 mode ``graphs``); mode ``graph_step`` replays one hand-captured CUDA graph of a greedy decode
 step over a StaticCache (no generate loop: the models' own decode speed); ``--eager-too``
 adds eager generate rows (``disable_compile=True``).
+
+MoE layer (CUDA, ``--moe-micro``): one AwqExperts layer of the bench's DeepSeek-V3-like MoE
+(64 experts, hidden 2048, expert 1408, top-6, G = 128, bf16) at T tokens, through the grouped
+GEMV (``grouped``: eager and inside a CUDA graph) and through the per-expert loop (``loop``,
+``GROUPED_MAX_PAIRS = 0``; eager only, it reads the counts back): the data behind
+``forge.runtime.GROUPED_MAX_PAIRS``. W4A16 decode rows of a model with AwqExperts say which
+path its experts take (``moe_path``: grouped while batch * top_k <= GROUPED_MAX_PAIRS).
 
 Micro (CUDA, ``--micro``): M = 1 bf16 activations, K x N = 4096 x 4096 and 7168 x 2048
 (in_features x out_features), G = 128. ``eager_us``: wall time per call of back-to-back
@@ -121,6 +129,7 @@ def run_model(args) -> None:
     model = model.eval()
     vocab = model.config.get_text_config().vocab_size
     cuda = args.device.startswith("cuda")
+    top_k = moe_top_k(model)
     modes = ["graph_step", "graphs"] if cuda and args.graphs else ["eager"]
     if args.eager_too and "graphs" in modes:
         modes.append("eager")
@@ -128,6 +137,11 @@ def run_model(args) -> None:
         for batch in args.batch:
             row = {"bench": "decode", "model": name, "mode": mode, "device": args.device, "batch": batch}
             row["new_tokens"] = args.new_tokens
+            if top_k:
+                from forge import runtime
+
+                grouped = cuda and batch * top_k <= runtime.GROUPED_MAX_PAIRS
+                row["moe_path"] = "grouped" if grouped else "loop"
             try:
                 if mode == "graph_step":
                     rate = graph_step_rate(model, batch, args.new_tokens, vocab)
@@ -142,6 +156,54 @@ def run_model(args) -> None:
         if mode == "graphs":
             torch._dynamo.reset()
             torch.compiler.reset()
+
+
+def moe_top_k(model) -> int:
+    """top_k of the model's AwqExperts layers (0 when it has none)."""
+    from forge.runtime import AwqExperts
+
+    if not any(isinstance(m, AwqExperts) for m in model.modules()):
+        return 0
+    cfg = model.config.get_text_config()
+    return int(getattr(cfg, "num_experts_per_tok", 0) or getattr(cfg, "top_k", 0) or 0)
+
+
+@torch.no_grad()
+def run_moe_micro(args) -> None:
+    from forge import runtime
+    from forge.runtime import AwqExperts
+
+    e, h, i, g, top_k = 64, 2048, 1408, 128, 6
+    gen = torch.Generator().manual_seed(0)
+    mod = AwqExperts(e, h, i, g, "silu", dtype=torch.bfloat16)
+    for prefix, (k, n) in (("gate_up", (h, 2 * i)), ("down", (i, h))):
+        for part, shape in (("qweight", (e, k, n // 8)), ("qzeros", (e, k // g, n // 8))):
+            t = torch.randint(-(2**31), 2**31, shape, generator=gen, dtype=torch.int64).to(torch.int32)
+            getattr(mod, f"{prefix}_{part}").copy_(t)
+        getattr(mod, f"{prefix}_scales").copy_(
+            (torch.rand(e, k // g, n, generator=gen) * 0.02 + 0.001).half()
+        )
+    mod = mod.cuda()
+    default = runtime.GROUPED_MAX_PAIRS
+    for tokens in (1, 2, 4, 8, 16, 32, 64):
+        x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(tokens, e, generator=gen).cuda()
+        w, idx = torch.topk(logits.softmax(-1), top_k, dim=-1)
+        for impl in ("grouped", "loop"):
+            row = {"bench": "moe_layer", "impl": impl, "tokens": tokens, "pairs": tokens * top_k}
+            row.update({"experts": e, "hidden": h, "intermediate": i, "group_size": g})
+            runtime.GROUPED_MAX_PAIRS = 1 << 30 if impl == "grouped" else 0
+            try:
+                fn = lambda x: mod(x, idx, w)  # noqa: E731
+                row["eager_us"] = round(_time_eager(fn, x, calls=200), 2)
+                if impl == "grouped":
+                    row["graph_us"] = round(_time_graph(fn, x, inner=16), 2)
+            except Exception as ex:
+                row["error"] = f"{type(ex).__name__}: {ex}"[:500]
+            finally:
+                runtime.GROUPED_MAX_PAIRS = default
+            row["gpu"] = torch.cuda.get_device_name()
+            _emit(row)
 
 
 def _time_eager(fn, x, calls: int = 2000) -> float:
@@ -224,12 +286,22 @@ def main() -> None:
     p.add_argument("--eager-too", action="store_true", help="also eager rows after the CUDA-graph ones")
     p.add_argument("--micro", action="store_true", help="also the per-call AwqLinear vs nn.Linear rows")
     p.add_argument("--micro-only", action="store_true")
+    p.add_argument("--moe-micro", action="store_true", help="also one AwqExperts layer: grouped vs loop")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["w4a16", "bf16"],
+        choices=["w4a16", "bf16"],
+        help="decode rows of these",
+    )
     p.add_argument("--json", default="bench_runtime.json")
-    p.add_argument("--one", help=argparse.SUPPRESS)  # child: w4a16 | bf16 | micro
+    p.add_argument("--one", help=argparse.SUPPRESS)  # child: w4a16 | bf16 | micro | moe_micro
     args = p.parse_args()
 
     if args.one == "micro":
         return run_micro(args)
+    if args.one == "moe_micro":
+        return run_moe_micro(args)
     if args.one:
         return run_model(args)
 
@@ -238,8 +310,10 @@ def main() -> None:
     children = []
     if args.micro or args.micro_only:
         children.append("micro")
+    if args.moe_micro:
+        children.append("moe_micro")
     if not args.micro_only:
-        children += ["w4a16", "bf16"]
+        children += args.models
     for child in children:
         cmd = [sys.executable, "-X", "faulthandler", __file__, *sys.argv[1:], "--one", child]
         t0 = time.perf_counter()

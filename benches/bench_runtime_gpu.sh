@@ -4,7 +4,8 @@
 # routing, shared expert; hidden 2048, 8 layers with 1 dense, 64 routed experts of 1408, top-6).
 # Built in bf16, forged to AWQ g128 (RTN on the GPU), then bench_runtime.py: W4A16 through
 # forge.load_quantized vs bf16, batch 1 and 16, CUDA graphs where they capture, then eager (dense
-# also: the per-call AwqLinear vs nn.Linear rows). Rows are appended to
+# also: the per-call AwqLinear vs nn.Linear rows; moe also: one AwqExperts layer, grouped GEMV vs
+# per-expert loop, T = 1..64). Rows are appended to
 # $OUT/results-<gpu>-runtime[-moe].json as measured; a mode that fails is recorded with its error.
 # Needs the wheel installed (PYTHONPATH) as in gpu_suite.sh.
 set -euo pipefail
@@ -35,7 +36,7 @@ m.save_pretrained(sys.argv[1] + "/bf16")
 PY
 python3 -c "import forge, sys; forge.quantize_model(sys.argv[1] + '/bf16', sys.argv[1] + '/awq', group_size=128, device='cuda', progress=False)" "$work"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
-if [ "$MODEL" = moe ]; then extra=(); suffix=-moe; else extra=(--micro); suffix=; fi
+if [ "$MODEL" = moe ]; then extra=(--moe-micro); suffix=-moe; else extra=(--micro); suffix=; fi
 python3 benches/bench_runtime.py "$work/awq" "$work/bf16" --device cuda --batch 1 16 "${extra[@]}" --eager-too \
   --json "$OUT/results-$gpu-runtime$suffix.json" "$@"
 rm -rf "$work"

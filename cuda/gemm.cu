@@ -609,15 +609,34 @@ extern "C" __global__ void __launch_bounds__(128) w4a16_gemv2_bf16(const u16* x,
 // (contiguous slices) and are summed in a fixed order through shared memory; split-K over
 // blockIdx.z as for the other kernels (fp32 partials + w4a16_reduce_*).
 // bf16 activations use bf16(scale) (the same contract as the tensor-core paths).
+//
+// Grouped variant (w4a16_gemv3g_*, MoE experts at decode): blockIdx.y is a *segment* of up
+// to MR rows that share one expert, from a table of int32 triples (first sorted position,
+// row count 0..MR, expert id). Row r of segment s reads x row x_rows[first + r] and writes
+// output row out_rows[first + r] (of M rows; split-K partials [splits, M, N] alike); the
+// expert's qweight / qzeros / scales start ew / ez / es elements after the previous one's.
+// A segment of count 0 (the table is sized for the worst case) does nothing; an expert id
+// outside [0, E) (expert-parallel masking) writes zeros. Each block runs the row loop for
+// exactly its segment's count (one instantiation per count), so a 1-row segment of the MR=4
+// kernel costs what a 1-row GEMV does. Every output element is written by exactly one block
+// per split, in a fixed order: deterministic.
 
 #define GV3_WARPS 8
 
-template <int MR, int WPL, bool BF>
-__device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
-                                                 const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
-                                                 int M, int N, int K, int gshift, int k_chunk, int split_out) {
+// The rows of one block: where each x row starts and which output row it writes.
+template <int MR> struct Gv3Rows {
+    const u16* x[MR];
+    int out[MR];
+};
+
+// R rows (of which the first m are real: rows >= m read zeros and write nothing), output
+// columns of this block, K slice of blockIdx.z. `active` false skips the weights (zeros
+// out). red: the block's (GV3_WARPS - 1)·R·8·WPL·32 floats of shared memory.
+template <int R, int MR, int WPL, bool BF>
+__device__ __forceinline__ void gemv3_core(const Gv3Rows<MR>& rows, int m, bool active, const u32* __restrict__ qw,
+                                           const u32* __restrict__ qz, const u16* __restrict__ sc, float* red,
+                                           void* out, int M, int N, int K, int gshift, int k_chunk, int split_out) {
     constexpr int NC = 8 * WPL;  // outputs per lane
-    __shared__ float red[(GV3_WARPS - 1) * MR * NC * 32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int NW = N >> 3;
     const int c = (blockIdx.x * 32 + lane) * WPL;  // first word column of this lane
@@ -630,9 +649,9 @@ __device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, cons
     const u32 MAGIC = 0x43000000u, MASK = 0x000F0000u;
     const i64 NW64 = NW;
 
-    float T[MR][NC], A[MR][NC], X[MR];
+    float T[R][NC], A[R][NC], X[R];
 #pragma unroll
-    for (int r = 0; r < MR; r++) {
+    for (int r = 0; r < R; r++) {
         X[r] = 0.0f;
 #pragma unroll
         for (int i = 0; i < NC; i++) { T[r][i] = 0.0f; A[r][i] = 0.0f; }
@@ -655,7 +674,7 @@ __device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, cons
                 if (BF) s = bf16_to_f32(f32_to_bf16_rn(s));
                 const float zz = __uint_as_float(MAGIC | (((zw[j] >> (4 * i)) & 15u) << 16));  // 128 + z
 #pragma unroll
-                for (int r = 0; r < MR; r++) {
+                for (int r = 0; r < R; r++) {
                     const float d = fmaf(-zz, X[r], A[r][8 * j + i]);
                     T[r][8 * j + i] = fmaf(s, d, T[r][8 * j + i]);
                     A[r][8 * j + i] = 0.0f;
@@ -663,10 +682,10 @@ __device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, cons
             }
         }
 #pragma unroll
-        for (int r = 0; r < MR; r++) X[r] = 0.0f;
+        for (int r = 0; r < R; r++) X[r] = 0.0f;
     };
 
-    if (col_ok) {
+    if (col_ok && active) {
         for (int k0 = kb; k0 < ke; k0 += 8) {
             const int grp = k0 >> gshift;
             if (grp != cur) {
@@ -691,12 +710,12 @@ __device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, cons
                     w[rr][0] = __ldg(p + rr * NW64);
                 }
             }
-            float xv[MR][8];
+            float xv[R][8];
 #pragma unroll
-            for (int r = 0; r < MR; r++) {
+            for (int r = 0; r < R; r++) {
                 uint4 xr;
                 xr.x = 0; xr.y = 0; xr.z = 0; xr.w = 0;
-                if (r < M) xr = __ldg((const uint4*)(x + (i64)r * K + k0));
+                if (r < m) xr = __ldg((const uint4*)(rows.x[r] + k0));
                 const u32 xw[4] = {xr.x, xr.y, xr.z, xr.w};
 #pragma unroll
                 for (int t = 0; t < 4; t++) {
@@ -726,7 +745,7 @@ __device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, cons
                     f[6] = __uint_as_float(and_or(v >> 8, MASK, MAGIC));
                     f[7] = __uint_as_float(and_or(v >> 12, MASK, MAGIC));
 #pragma unroll
-                    for (int r = 0; r < MR; r++)
+                    for (int r = 0; r < R; r++)
 #pragma unroll
                         for (int i = 0; i < 8; i++) A[r][8 * j + i] = fmaf(f[i], xv[r][rr], A[r][8 * j + i]);
                 }
@@ -738,27 +757,83 @@ __device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, cons
     // Sum the warps (fixed order) through shared memory.
     if (warp > 0) {
 #pragma unroll
-        for (int r = 0; r < MR; r++)
+        for (int r = 0; r < R; r++)
 #pragma unroll
-            for (int i = 0; i < NC; i++) red[(((warp - 1) * MR + r) * NC + i) * 32 + lane] = T[r][i];
+            for (int i = 0; i < NC; i++) red[(((warp - 1) * R + r) * NC + i) * 32 + lane] = T[r][i];
     }
     __syncthreads();
     if (warp == 0 && col_ok) {
         const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 #pragma unroll
-        for (int r = 0; r < MR; r++) {
-            if (r >= M) break;
+        for (int r = 0; r < R; r++) {
+            if (r >= m) break;
+            const i64 orow = rows.out[r];
 #pragma unroll
             for (int i = 0; i < NC; i++) {
                 float v = T[r][i];
 #pragma unroll
-                for (int w = 0; w < GV3_WARPS - 1; w++) v = v + red[((w * MR + r) * NC + i) * 32 + lane];
+                for (int w = 0; w < GV3_WARPS - 1; w++) v = v + red[((w * R + r) * NC + i) * 32 + lane];
                 const i64 n = 8 * (i64)(c + i / 8) + order[i % 8];
                 if (split_out) {
-                    ((float*)out)[((i64)blockIdx.z * M + r) * N + n] = v;
+                    ((float*)out)[((i64)blockIdx.z * M + orow) * N + n] = v;
                 } else {
-                    ((u16*)out)[(i64)r * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                    ((u16*)out)[orow * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
                 }
+            }
+        }
+    }
+}
+
+// The plain kernel (GROUPED false: rows 0..M-1 of x and y, M <= MR, one expert) and the
+// grouped one (GROUPED true: the segment of blockIdx.y, see above) share gemv3_core.
+template <int MR, int WPL, bool BF, bool GROUPED>
+__device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, const int* __restrict__ x_rows,
+                                                 const int* __restrict__ out_rows, const int* __restrict__ seg,
+                                                 const u32* __restrict__ qw, const u32* __restrict__ qz,
+                                                 const u16* __restrict__ sc, i64 ew, i64 ez, i64 es, int E,
+                                                 void* out, int M, int N, int K, int gshift, int k_chunk,
+                                                 int split_out) {
+    __shared__ float red[(GV3_WARPS - 1) * MR * 8 * WPL * 32];
+    Gv3Rows<MR> rows;
+    int m = M;
+    bool active = true;
+    if (GROUPED) {
+        const int first = __ldg(seg + 3 * blockIdx.y);
+        m = min(__ldg(seg + 3 * blockIdx.y + 1), MR);
+        const int e = __ldg(seg + 3 * blockIdx.y + 2);
+        if (m <= 0) return;  // a table row past the real segments: the whole block leaves
+        active = e >= 0 && e < E;
+        if (active) {
+            qw += (i64)e * ew;
+            qz += (i64)e * ez;
+            sc += (i64)e * es;
+        }
+#pragma unroll
+        for (int r = 0; r < MR; r++) {
+            const bool ok = r < m;
+            rows.x[r] = x + (ok ? (i64)__ldg(x_rows + first + r) * K : 0);
+            rows.out[r] = ok ? __ldg(out_rows + first + r) : 0;
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < MR; r++) {
+            rows.x[r] = x + (i64)r * K;
+            rows.out[r] = r;
+        }
+    }
+    if constexpr (!GROUPED) {
+        gemv3_core<MR, MR, WPL, BF>(rows, m, active, qw, qz, sc, red, out, M, N, K, gshift, k_chunk, split_out);
+    } else {
+        // one instantiation per row count (m is uniform over the block)
+        if (m == MR) {
+            gemv3_core<MR, MR, WPL, BF>(rows, m, active, qw, qz, sc, red, out, M, N, K, gshift, k_chunk, split_out);
+        } else if (m == 1) {
+            gemv3_core<1, MR, WPL, BF>(rows, m, active, qw, qz, sc, red, out, M, N, K, gshift, k_chunk, split_out);
+        } else if constexpr (MR >= 3) {
+            if (m == 2) {
+                gemv3_core<2, MR, WPL, BF>(rows, m, active, qw, qz, sc, red, out, M, N, K, gshift, k_chunk, split_out);
+            } else {
+                gemv3_core<3, MR, WPL, BF>(rows, m, active, qw, qz, sc, red, out, M, N, K, gshift, k_chunk, split_out);
             }
         }
     }
@@ -768,7 +843,8 @@ __device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, cons
     extern "C" __global__ void __launch_bounds__(32 * GV3_WARPS) w4a16_gemv3_##SUF##_r##MR(                  \
         const u16* x, const u32* qw, const u32* qz, const u16* sc, void* out, int M, int N, int K, int gshift, \
         int k_chunk, int split_out) {                                                                         \
-        w4a16_gemv3_impl<MR, WPL, BF>(x, qw, qz, sc, out, M, N, K, gshift, k_chunk, split_out);              \
+        w4a16_gemv3_impl<MR, WPL, BF, false>(x, nullptr, nullptr, nullptr, qw, qz, sc, 0, 0, 0, 1, out, M, N, K, \
+                                             gshift, k_chunk, split_out);                                     \
     }
 FORGE_GEMV3_ENTRY(f16, 1, 2, false)
 FORGE_GEMV3_ENTRY(f16, 2, 2, false)
@@ -776,3 +852,19 @@ FORGE_GEMV3_ENTRY(f16, 4, 1, false)
 FORGE_GEMV3_ENTRY(bf16, 1, 2, true)
 FORGE_GEMV3_ENTRY(bf16, 2, 2, true)
 FORGE_GEMV3_ENTRY(bf16, 4, 1, true)
+
+// Grouped entries: M = rows of the output (pairs), blockIdx.y = segment.
+#define FORGE_GEMV3G_ENTRY(SUF, MR, WPL, BF, MINB)                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * GV3_WARPS, MINB) w4a16_gemv3g_##SUF##_r##MR(                \
+        const u16* x, const int* x_rows, const int* out_rows, const int* seg, const u32* qw, const u32* qz,     \
+        const u16* sc, i64 ew, i64 ez, i64 es, int E, void* out, int M, int N, int K, int gshift, int k_chunk,  \
+        int split_out) {                                                                                        \
+        w4a16_gemv3_impl<MR, WPL, BF, true>(x, x_rows, out_rows, seg, qw, qz, sc, ew, ez, es, E, out, M, N, K,  \
+                                            gshift, k_chunk, split_out);                                        \
+    }
+FORGE_GEMV3G_ENTRY(f16, 1, 2, false, 4)
+FORGE_GEMV3G_ENTRY(f16, 2, 2, false, 2)
+FORGE_GEMV3G_ENTRY(f16, 4, 1, false, 2)
+FORGE_GEMV3G_ENTRY(bf16, 1, 2, true, 4)
+FORGE_GEMV3G_ENTRY(bf16, 2, 2, true, 2)
+FORGE_GEMV3G_ENTRY(bf16, 4, 1, true, 2)

@@ -13,6 +13,10 @@ the activation's device:
   synchronises with the host, so ``torch.cuda.graph`` and ``mode="reduce-overhead"``
   capture it. Kernel plans are cached per shape in Rust (first call per shape compiles or
   loads the kernels and queries occupancy; later calls are a map lookup).
+  :class:`AwqExperts` with few (token, expert) pairs (decode: up to
+  :data:`GROUPED_MAX_PAIRS`) runs each projection as one grouped GEMV over all experts
+  (``torch.ops.forge.awq_moe_gemv``): the pairs are sorted by expert on the GPU into a
+  segment table (:func:`moe_segments`), nothing is read back, so that path captures too.
 * CPU: PyTorch's tinygemm int4 kernel (``aten._weight_int4pack_mm_for_cpu``) for bf16 and
   fp16 activations. The weight is converted once, on the first CPU forward of each dtype:
   codes are unpacked to ``[N, K]`` and repacked by ``aten._convert_weight_to_int4pack_for_cpu``;
@@ -32,7 +36,14 @@ from . import _native
 from .errors import DeviceError, DTypeError, ShapeError
 from .quant import awq_matmul, dequantize_awq, unpack_awq
 
-__all__ = ["AwqLinear", "AwqExperts", "awq_linear", "cpu_int4_supported"]
+__all__ = [
+    "AwqLinear",
+    "AwqExperts",
+    "awq_linear",
+    "awq_moe_gemv",
+    "cpu_int4_supported",
+    "moe_segments",
+]
 
 PACK = 8  # int4 values per int32 word
 
@@ -125,6 +136,198 @@ def awq_gemm(
 @awq_gemm.register_fake
 def _awq_gemm_fake(x, qweight, qzeros, scales, group_size):
     return x.new_empty((*x.shape[:-1], scales.shape[-1]))
+
+
+# --------------------------------------------------------------------------- grouped MoE GEMV
+
+#: Most (token, expert) pairs for which :class:`AwqExperts` runs its quantized projections
+#: through the grouped GEMV on CUDA (one launch per projection, no host sync, CUDA-graph
+#: safe) instead of one GEMM per active expert after reading the per-expert counts back.
+#: 128 covers decode up to batch 16 at top-8 (batch 21 at top-6). The SIMT kernel reads each
+#: active expert's weights once per segment of up to 4 rows, so it loses to per-expert
+#: tensor-core GEMMs only once experts get many rows each (prefill).
+GROUPED_MAX_PAIRS = 128
+# split-K scratch bytes per (device, rows, pairs, segments, N, K, G)
+_GROUPED_WORKSPACE: dict[tuple[int, ...], int] = {}
+
+
+def moe_rows(tokens: int, pairs: int, num_experts: int) -> int:
+    """Most rows per segment (the grouped kernel's variant): 1 for one token (its top-k
+    experts are distinct), 2 while pairs are sparse over the experts, else 4."""
+    if tokens == 1:
+        return 1
+    return 2 if pairs <= 2 * num_experts else 4
+
+
+def moe_max_segments(pairs: int, num_experts: int, rows: int) -> int:
+    """Upper bound on the segments of ``pairs`` pairs over ``num_experts`` experts plus the
+    invalid-id bucket, in runs of at most ``rows``: sum_b ceil(c_b / rows) over the
+    non-empty buckets, at most (pairs + nonempty * (rows - 1)) // rows and at most pairs."""
+    nonempty = min(num_experts + 1, pairs)
+    return max(1, min(pairs, (pairs + nonempty * (rows - 1)) // rows))
+
+
+def moe_segments(top_k_index: torch.Tensor, num_experts: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorts the (token, expert) pairs of ``top_k_index (T, k)`` by expert and cuts each
+    expert's run into segments of at most ``rows`` pairs, with torch ops of static shapes
+    only (no ``.tolist()`` / ``.item()``: nothing waits for the GPU, CUDA graphs capture it).
+
+    Returns ``order`` (int32 ``[T*k]``: the pair index ``t*k + j`` at each sorted position;
+    stable, so pairs of one expert keep token order) and ``segments`` (int32
+    ``[moe_max_segments(T*k, E, rows), 3]``: first sorted position, row count, expert id;
+    rows past the real segments are zeros, i.e. count 0). Ids outside ``[0, E)``
+    (expert-parallel masking) are gathered under expert id ``E``, which the kernel answers
+    with zeros.
+    """
+    ids = top_k_index.reshape(-1).to(torch.int64)
+    pairs, e, dev = ids.numel(), num_experts, ids.device
+    ids = torch.where((ids >= 0) & (ids < e), ids, e)
+    order = torch.argsort(ids, stable=True)
+    sid = ids[order]
+    buckets = torch.arange(e + 1, device=dev, dtype=torch.int64)
+    start = torch.searchsorted(sid, buckets)  # first sorted position of each expert
+    end = torch.searchsorted(sid, buckets, right=True)
+    pos = torch.arange(pairs, device=dev, dtype=torch.int64)
+    head = (pos - start[sid]) % rows == 0  # a segment starts every `rows` pairs of a run
+    count = torch.clamp(end[sid] - pos, max=rows)
+    nseg = moe_max_segments(pairs, e, rows)
+    # non-heads all land on the spare last row, which is dropped
+    slot = torch.where(head, torch.cumsum(head, 0) - 1, nseg)
+    table = torch.zeros(nseg + 1, 3, dtype=torch.int32, device=dev)
+    table[slot] = torch.stack((pos, count, sid), dim=1).to(torch.int32)
+    return order.to(torch.int32), table[:nseg]
+
+
+def _check_experts_awq(qweight, qzeros, scales, group_size: int, dev) -> tuple[int, int, int]:
+    """(experts, K, N) of stacked AWQ tensors, checked against each other and ``dev``."""
+    for (name, dtype), t in zip(_AWQ_DTYPES, (qweight, qzeros, scales), strict=True):
+        if t.device != dev:
+            raise DeviceError(f"{name}: expected a tensor on {dev} like x, got {t.device}")
+        if t.dtype != dtype:
+            raise DTypeError(f"{name}: expected {dtype}, got {t.dtype}")
+    e, k = qweight.shape[0], qweight.shape[1]
+    n = scales.shape[-1]
+    if (
+        qweight.dim() != 3
+        or tuple(qweight.shape) != (e, k, n // PACK)
+        or tuple(qzeros.shape) != (e, k // group_size, n // PACK)
+        or tuple(scales.shape) != (e, k // group_size, n)
+    ):
+        raise ShapeError(
+            f"stacked AWQ tensors for group_size {group_size}: got qweight {tuple(qweight.shape)}, "
+            f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}"
+        )
+    return e, k, n
+
+
+def _cuda_moe_gemv(
+    x: torch.Tensor,
+    x_rows: torch.Tensor,
+    out_rows: torch.Tensor,
+    segments: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    rows: int,
+) -> torch.Tensor:
+    """The grouped GEMV on CUDA (see :func:`awq_moe_gemv`): one launch (plus the split-K
+    sum) on the current stream, output and scratch from torch's allocator, no host sync."""
+    dev = x.device
+    e, k, n = _check_experts_awq(qweight, qzeros, scales, group_size, dev)
+    for name, t in (("x_rows", x_rows), ("out_rows", out_rows), ("segments", segments)):
+        if t.device != dev or t.dtype != torch.int32:
+            raise DTypeError(f"{name}: expected int32 on {dev}, got {t.dtype} on {t.device}")
+    pairs, nseg = out_rows.numel(), segments.shape[0]
+    if x.dim() != 2 or x.shape[-1] != k:
+        raise ShapeError(f"x: expected (rows, {k}), got {tuple(x.shape)}")
+    if x_rows.shape != (pairs,) or out_rows.shape != (pairs,) or tuple(segments.shape) != (nseg, 3):
+        raise ShapeError(
+            f"x_rows {tuple(x_rows.shape)} and out_rows {tuple(out_rows.shape)} must be (pairs,), "
+            f"segments {tuple(segments.shape)} (S, 3)"
+        )
+    qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
+    x_rows, out_rows, segments = x_rows.contiguous(), out_rows.contiguous(), segments.contiguous()
+    xa = (x if x.dtype in _GEMM_DTYPES else x.to(torch.float16)).contiguous()
+    y = torch.empty((pairs, n), dtype=xa.dtype, device=dev)
+    if pairs == 0 or nseg == 0:
+        return y.to(x.dtype)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    key = (index, rows, pairs, nseg, n, k, group_size)
+    ws_bytes = _GROUPED_WORKSPACE.get(key)
+    if ws_bytes is None:
+        ws_bytes = _GROUPED_WORKSPACE[key] = _native.w4a16_grouped_workspace_bytes(
+            index, rows, pairs, nseg, n, k, group_size
+        )
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+    ng = k // group_size
+    _native.w4a16_grouped_launch(
+        xa.data_ptr(),
+        xa.dtype == torch.bfloat16,
+        x_rows.data_ptr(),
+        out_rows.data_ptr(),
+        pairs,
+        segments.data_ptr(),
+        nseg,
+        rows,
+        e,
+        k,
+        n,
+        group_size,
+        qweight.data_ptr(),
+        qzeros.data_ptr(),
+        scales.data_ptr(),
+        [k * n // PACK, ng * n // PACK, ng * n],
+        y.data_ptr(),
+        0 if ws is None else ws.data_ptr(),
+        ws_bytes,
+        index,
+        _current_stream(index),
+    )
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _moe_gemv_reference(x, x_rows, out_rows, segments, qweight, qzeros, scales, group_size, rows):
+    """What the grouped kernel computes, segment by segment (any device; reads the table back)."""
+    e = qweight.shape[0]
+    y = torch.zeros((out_rows.numel(), scales.shape[-1]), dtype=x.dtype, device=x.device)
+    for first, count, ex in segments.tolist():
+        count = min(count, rows)
+        if count <= 0 or not 0 <= ex < e:
+            continue  # past the real segments / masked id: zeros
+        pos = slice(first, first + count)
+        xs = x.index_select(0, x_rows[pos].long())
+        ys = awq_matmul(xs, qweight[ex], qzeros[ex], scales[ex], group_size)
+        y[out_rows[pos].long()] = ys.to(x.dtype)
+    return y
+
+
+@torch.library.custom_op("forge::awq_moe_gemv", mutates_args=())
+def awq_moe_gemv(
+    x: torch.Tensor,
+    x_rows: torch.Tensor,
+    out_rows: torch.Tensor,
+    segments: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    rows: int,
+) -> torch.Tensor:
+    """Grouped W4A16 GEMV over stacked AWQ experts (``qweight [E, K, N/8]`` etc.): for each
+    segment ``(first, count, e)`` of ``segments`` (see :func:`moe_segments`) and each sorted
+    position ``p`` in ``first .. first + min(count, rows)``,
+    ``y[out_rows[p]] = x[x_rows[p]] @ dequant(W_e).T``; ids outside ``[0, E)`` give zeros.
+    Returns ``y (pairs = out_rows.numel(), N)`` in ``x``'s dtype. CUDA: one kernel launch
+    (forge's SIMT GEMV, ``rows`` in {1, 2, 4}); elsewhere a segment loop (reference)."""
+    if x.is_cuda:
+        return _cuda_moe_gemv(x, x_rows, out_rows, segments, qweight, qzeros, scales, group_size, rows)
+    return _moe_gemv_reference(x, x_rows, out_rows, segments, qweight, qzeros, scales, group_size, rows)
+
+
+@awq_moe_gemv.register_fake
+def _awq_moe_gemv_fake(x, x_rows, out_rows, segments, qweight, qzeros, scales, group_size, rows):
+    return x.new_empty((out_rows.shape[0], scales.shape[-1]))
 
 
 # --------------------------------------------------------------------------- CPU int4 path
@@ -322,6 +525,13 @@ class AwqExperts(nn.Module):
     projection may instead be dense (``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``
     parameters, transformers' layout) when the checkpoint kept it unquantized. Only experts
     that receive tokens run; ids outside ``[0, E)`` are ignored (expert-parallel masking).
+
+    On CUDA, with both projections quantized (power-of-two group, out-features multiples of
+    32) and at most :data:`GROUPED_MAX_PAIRS` pairs, gate_up and down are one grouped GEMV
+    launch each (gate_up reads the hidden rows of its pairs in place, outputs are per pair)
+    and the top-k sum is taken in float32: no host sync, so CUDA graphs and
+    ``torch.compile(fullgraph=True)`` capture it. Otherwise (prefill, dense projections,
+    CPU) the experts run one by one after the per-expert counts are read back.
     """
 
     def __init__(
@@ -375,9 +585,69 @@ class AwqExperts(nn.Module):
             cache=cache,
         )
 
+    def _grouped_ok(self, hidden_states: torch.Tensor, pairs: int) -> bool:
+        """Whether this call takes the grouped CUDA GEMV (see :data:`GROUPED_MAX_PAIRS`):
+        both projections quantized, a power-of-two group and out-features multiples of 32
+        (the kernel's), and few enough pairs."""
+        g = self.group_size
+        return (
+            hidden_states.is_cuda
+            and self.quantized_gate_up
+            and self.quantized_down
+            and 0 < pairs <= GROUPED_MAX_PAIRS
+            and g & (g - 1) == 0
+            and (2 * self.intermediate_dim) % 32 == 0
+            and self.hidden_dim % 32 == 0
+        )
+
+    def _forward_grouped(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Both projections through the grouped GEMV: two launches for all experts, the
+        segment table built on the GPU, nothing read back (CUDA-graph safe)."""
+        t, h = hidden_states.shape
+        k = top_k_index.shape[-1]
+        e, g = self.num_experts, self.group_size
+        rows = moe_rows(t, t * k, e)
+        order, segments = moe_segments(top_k_index, e, rows)
+        tokens = torch.div(order, k, rounding_mode="floor")  # the token of each sorted pair
+        if hidden_states.is_cuda and not torch.compiler.is_compiling():
+            gemv = _cuda_moe_gemv  # eager: no dispatcher round trip
+        else:
+            gemv = torch.ops.forge.awq_moe_gemv  # traced by torch.compile; the reference off CUDA
+        gate_up = gemv(
+            hidden_states,
+            tokens,
+            order,
+            segments,
+            self.gate_up_qweight,
+            self.gate_up_qzeros,
+            self.gate_up_scales,
+            g,
+            rows,
+        )  # (T*k, 2I), row = pair
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = gemv(
+            self.act_fn(gate) * up,
+            order,
+            order,
+            segments,
+            self.down_qweight,
+            self.down_qzeros,
+            self.down_scales,
+            g,
+            rows,
+        )  # (T*k, H); masked pairs are zeros
+        valid = (top_k_index >= 0) & (top_k_index < e)
+        w = torch.where(valid, top_k_weights.float(), 0.0)  # masked ids add nothing, whatever their weight
+        out = (y.view(t, k, h).float() * w[..., None]).sum(1)
+        return out.to(hidden_states.dtype)
+
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self._grouped_ok(hidden_states, top_k_index.numel()):
+            return self._forward_grouped(hidden_states, top_k_index, top_k_weights)
         # float32 accumulator: exact-er sums, and CPU index_add_ in bf16 is ~10x slower
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         k = top_k_index.shape[-1]

@@ -491,6 +491,16 @@ fn pick_splits(base: usize, slots: usize, lo: usize, hi: usize) -> usize {
         })
 }
 
+/// K splits and K per split (a multiple of 8 rows per warp) of a version-3 GEMV grid of
+/// `base` blocks per split: the split count that best fills waves of `slots` blocks.
+fn gemv3_splits(base: usize, slots: usize, k: usize) -> (usize, usize) {
+    let unit = 8 * GEMV3_WARPS;
+    let units = k.div_ceil(unit);
+    let splits = pick_splits(base, slots, 1, units.max(1));
+    let per = units.div_ceil(splits).max(1);
+    (units.div_ceil(per), per * unit)
+}
+
 /// `slots` = resident blocks per SM × SMs (one full wave).
 fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmPlan {
     let tiles = k / GEMM_BK;
@@ -498,19 +508,14 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
         let (rows, wpl) = gemv3_shape(m);
         let block_n = 8 * 32 * wpl;
         let nblocks = n.div_ceil(block_n);
-        // K in units of 8 rows per warp.
-        let unit = 8 * GEMV3_WARPS;
-        let units = k.div_ceil(unit);
-        let splits = pick_splits(nblocks, slots, 1, units.max(1));
-        let per = units.div_ceil(splits).max(1);
-        let splits = units.div_ceil(per);
+        let (splits, k_chunk) = gemv3_splits(nblocks, slots, k);
         return GemmPlan {
             mt: 0,
             gemv: 3,
             nblocks,
             mblocks: 1,
             splits,
-            k_chunk: per * unit,
+            k_chunk,
             smem: 0,
             threads: 32 * GEMV3_WARPS,
             block_n,
@@ -756,7 +761,350 @@ pub unsafe fn w4a16_gemm_awq(
         // SAFETY: parameter list matches w4a16_awq_<dt>_m<MT>.
         return unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) };
     }
-    let need = splits * m * n * 4;
+    let mut launch_partials = |ws: u64| {
+        let (mut out, mut split_out) = (ws, 1i32);
+        let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
+        // SAFETY: as above; ws holds splits·M·N floats.
+        unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) }
+    };
+    // SAFETY: y holds M·N outputs; the workspace per the caller's contract.
+    unsafe {
+        split_k(
+            dev,
+            reduce,
+            splits,
+            m * n,
+            y,
+            (workspace, workspace_bytes),
+            s,
+            &mut launch_partials,
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// (c2) grouped W4A16 GEMV (MoE experts at decode)
+
+/// Rows per segment the grouped GEMV supports (its kernel variants).
+pub const GROUPED_ROWS: [usize; 3] = [1, 2, 4];
+/// Largest segment table the grouped GEMV takes (the grid's y extent).
+pub const GROUPED_MAX_SEGMENTS: usize = 65535;
+
+/// Arguments of [`w4a16_grouped_gemv_awq`]: MoE experts over stacked AWQ tensors, one
+/// launch for every (token, expert) pair.
+///
+/// The pairs are sorted by expert; a *segment* is a run of up to `rows` sorted positions
+/// that share one expert. `segments` is an i32 table `[num_segments, 3]` of
+/// (first sorted position, row count 0..=rows, expert id); rows past the real segments
+/// hold count 0 and do nothing, and an expert id outside `[0, experts)` writes zeros
+/// (expert-parallel masking). Sorted position `p` reads activation row `x_rows[p]` of `x`
+/// and writes output row `out_rows[p]` of `y [pairs, N]`: with `x` = hidden states and
+/// `x_rows` = the token of each pair, gate_up reads the tokens without a gathered copy.
+/// Every output row must be named by exactly one position of a segment (else it is left
+/// unwritten).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupedGemv {
+    /// Activations `[*, K]` of `act` (F16 or Bf16), 16-byte aligned; rows read through
+    /// `x_rows`.
+    pub x: u64,
+    /// Activation (and output) dtype.
+    pub act: DType,
+    /// i32 `[pairs]`: the row of `x` each sorted position reads.
+    pub x_rows: u64,
+    /// i32 `[pairs]`: the row of `y` each sorted position writes (`< pairs`).
+    pub out_rows: u64,
+    /// Rows of `y` (entries of `x_rows` and `out_rows`).
+    pub pairs: usize,
+    /// i32 `[num_segments, 3]` segment table.
+    pub segments: u64,
+    /// Rows of the segment table (the launch's grid y; an upper bound on real segments).
+    pub num_segments: usize,
+    /// Most rows per segment: 1, 2 or 4 (the kernel variant).
+    pub rows: usize,
+    /// Experts in the stacked tensors.
+    pub experts: usize,
+    /// In features.
+    pub k: usize,
+    /// Out features.
+    pub n: usize,
+    /// AWQ group size (a power of two, multiple of 32, dividing K).
+    pub group_size: usize,
+    /// i32 `[experts, K, N/8]` (expert `e` at `e · expert_strides[0]` elements).
+    pub qweight: u64,
+    /// i32 `[experts, K/G, N/8]` (expert `e` at `e · expert_strides[1]` elements).
+    pub qzeros: u64,
+    /// f16 `[experts, K/G, N]` (expert `e` at `e · expert_strides[2]` elements).
+    pub scales: u64,
+    /// Elements from one expert to the next in `qweight`, `qzeros`, `scales`.
+    pub expert_strides: [usize; 3],
+    /// Output `[pairs, N]` of `act`.
+    pub y: u64,
+    /// fp32 split-K scratch of [`w4a16_grouped_workspace_bytes`] bytes, or 0 to allocate
+    /// it stream-ordered.
+    pub workspace: u64,
+    /// Bytes at `workspace`.
+    pub workspace_bytes: usize,
+}
+
+impl GroupedGemv {
+    /// Expert strides of contiguous stacks `[experts, ...]` for this shape.
+    pub fn dense_strides(k: usize, n: usize, group_size: usize) -> [usize; 3] {
+        let groups = k / group_size.max(1);
+        [k * (n / 8), groups * (n / 8), groups * n]
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !matches!(self.act, DType::F16 | DType::Bf16) {
+            return Err(CudaError::arg(
+                "act",
+                "F16 or Bf16",
+                format!("{:?}", self.act),
+            ));
+        }
+        if !GROUPED_ROWS.contains(&self.rows) {
+            return Err(CudaError::arg("rows", "1, 2 or 4", self.rows));
+        }
+        check_nonzero("pairs", self.pairs)?;
+        check_nonzero("experts", self.experts)?;
+        if self.num_segments == 0 || self.num_segments > GROUPED_MAX_SEGMENTS {
+            return Err(CudaError::arg(
+                "num_segments",
+                format!("1..={GROUPED_MAX_SEGMENTS}"),
+                self.num_segments,
+            ));
+        }
+        let g = self.group_size;
+        if g < 32 || !g.is_power_of_two() {
+            return Err(CudaError::arg("group_size", "a power of two >= 32", g));
+        }
+        if self.k == 0 || !self.k.is_multiple_of(g) {
+            return Err(CudaError::arg(
+                "k",
+                format!("a positive multiple of group_size {g}"),
+                self.k,
+            ));
+        }
+        if self.n == 0 || !self.n.is_multiple_of(32) {
+            return Err(CudaError::arg("n", "a positive multiple of 32", self.n));
+        }
+        let dense = Self::dense_strides(self.k, self.n, g);
+        for (i, (name, align)) in [
+            ("expert_strides[0] (qweight)", 4),
+            ("expert_strides[1] (qzeros)", 1),
+            ("expert_strides[2] (scales)", 8),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let st = self.expert_strides[i];
+            if (self.experts > 1 && st < dense[i]) || !st.is_multiple_of(align) {
+                return Err(CudaError::arg(
+                    name,
+                    format!(
+                        "at least one expert's {} elements and a multiple of {align}",
+                        dense[i]
+                    ),
+                    st,
+                ));
+            }
+        }
+        to_i32("pairs", self.pairs)?;
+        to_i32("experts", self.experts)?;
+        check_align("x", self.x, 16)?;
+        check_align("x_rows", self.x_rows, 4)?;
+        check_align("out_rows", self.out_rows, 4)?;
+        check_align("segments", self.segments, 4)?;
+        check_align("qweight", self.qweight, 16)?;
+        check_align("qzeros", self.qzeros, 4)?;
+        check_align("scales", self.scales, 16)?;
+        check_align("y", self.y, 2)?;
+        Ok(())
+    }
+}
+
+/// How the grouped GEMV splits its work (cached per shape).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GroupedPlan {
+    /// Blocks along N.
+    nblocks: usize,
+    /// K splits (blockIdx.z).
+    splits: usize,
+    /// K per split.
+    k_chunk: usize,
+}
+
+/// Key of a cached grouped plan: device, activation dtype, rows per segment, segments, N,
+/// K, group size.
+type GroupedKey = (usize, DType, usize, usize, usize, usize, usize);
+/// A grouped plan with its kernel and (when K is split) the reduction kernel.
+type CachedGrouped = (GroupedPlan, Func, Option<Func>);
+
+/// Word columns per lane of the grouped kernel for `rows` (as the plain version 3).
+fn grouped_block_n(rows: usize) -> usize {
+    8 * 32 * gemv3_shape(rows).1
+}
+
+/// Split plan of the grouped GEMV: `slots` resident blocks, `segments` blocks along y.
+fn grouped_plan(slots: usize, rows: usize, segments: usize, n: usize, k: usize) -> GroupedPlan {
+    let nblocks = n.div_ceil(grouped_block_n(rows));
+    let (splits, k_chunk) = gemv3_splits(nblocks * segments, slots, k);
+    GroupedPlan {
+        nblocks,
+        splits,
+        k_chunk,
+    }
+}
+
+fn grouped_plan_for(
+    dev: &Device,
+    act: DType,
+    rows: usize,
+    segments: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> Result<CachedGrouped> {
+    static PLANS: OnceLock<Mutex<HashMap<GroupedKey, CachedGrouped>>> = OnceLock::new();
+    let plans = PLANS.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = (dev.ordinal, act, rows, segments, n, k, group_size);
+    if let Some(p) = plans.lock().ok().and_then(|p| p.get(&key).copied()) {
+        return Ok(p);
+    }
+    let (suffix, reduce) = if act == DType::F16 {
+        ("f16", "w4a16_reduce_f16")
+    } else {
+        ("bf16", "w4a16_reduce_bf16")
+    };
+    let name = format!("w4a16_gemv3g_{suffix}_r{rows}");
+    let name = crate::kernels::all_kernels()
+        .find(|k| *k == name)
+        .ok_or(CudaError::MissingKernel(name))?;
+    let f = dev.function(name)?;
+    let sms = dev.sm_count.max(1) as usize;
+    let occ = dev.occupancy(f, (32 * GEMV3_WARPS) as u32, 0);
+    let plan = grouped_plan(sms * occ, rows, segments, n, k);
+    let reduce = if plan.splits > 1 {
+        Some(dev.function(reduce)?)
+    } else {
+        None
+    };
+    let p = (plan, f, reduce);
+    if let Ok(mut map) = plans.lock() {
+        map.insert(key, p);
+    }
+    Ok(p)
+}
+
+/// Bytes of fp32 workspace [`w4a16_grouped_gemv_awq`] needs on `device` for `pairs` output
+/// rows in a table of `num_segments` segments of up to `rows` rows (0 when it does not split
+/// K). Both activation dtypes are covered.
+pub fn w4a16_grouped_workspace_bytes(
+    device_ordinal: usize,
+    rows: usize,
+    pairs: usize,
+    num_segments: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> Result<usize> {
+    if !GROUPED_ROWS.contains(&rows) {
+        return Err(CudaError::arg("rows", "1, 2 or 4", rows));
+    }
+    let dev = device(device_ordinal)?;
+    let mut bytes = 0;
+    for act in [DType::F16, DType::Bf16] {
+        let (plan, _, _) = grouped_plan_for(dev, act, rows, num_segments, n, k, group_size)?;
+        if plan.splits > 1 {
+            bytes = bytes.max(plan.splits * pairs * n * 4);
+        }
+    }
+    Ok(bytes)
+}
+
+/// Grouped W4A16 GEMV over stacked AWQ experts (see [`GroupedGemv`]): for every sorted
+/// position `p` of a segment with expert `e`,
+/// `y[out_rows[p]] = x[x_rows[p]] · dequant(W_e)ᵀ`, with the numerics of the version-3
+/// GEMV of [`w4a16_gemm_awq`] (fp32 accumulation, `bf16(scale)` for bf16 activations,
+/// K split into fp32 partials summed in a fixed order: deterministic). One launch (plus
+/// the split-K reduction) whatever the routing: nothing is read back to the host, so it
+/// can be captured in a CUDA graph.
+///
+/// # Safety
+/// See the module documentation; besides, every `x_rows` entry of a real segment must be a
+/// row of `x`, every `out_rows` entry `< pairs`, and the table's positions `< pairs`.
+pub unsafe fn w4a16_grouped_gemv_awq(a: &GroupedGemv, s: Stream) -> Result<()> {
+    a.validate()?;
+    let dev = dev_of(s)?;
+    let (plan, f, reduce) =
+        grouped_plan_for(dev, a.act, a.rows, a.num_segments, a.n, a.k, a.group_size)?;
+    let grid = (
+        plan.nblocks as u32,
+        a.num_segments as u32,
+        plan.splits as u32,
+    );
+    let threads = (32 * GEMV3_WARPS) as u32;
+    let (mut px, mut pxr, mut por, mut pseg) = (a.x, a.x_rows, a.out_rows, a.segments);
+    let (mut pqw, mut pqz, mut psc) = (a.qweight, a.qzeros, a.scales);
+    let (mut ew, mut ez, mut es) = (
+        a.expert_strides[0] as i64,
+        a.expert_strides[1] as i64,
+        a.expert_strides[2] as i64,
+    );
+    let (mut ee, mut mm, mut nn, mut kk, mut gs, mut kc) = (
+        a.experts as i32,
+        a.pairs as i32,
+        to_i32("n", a.n)?,
+        to_i32("k", a.k)?,
+        a.group_size.trailing_zeros() as i32,
+        plan.k_chunk as i32,
+    );
+    let mut go = |out: u64, split: bool| {
+        let (mut out, mut split_out) = (out, split as i32);
+        let mut p = args!(
+            px, pxr, por, pseg, pqw, pqz, psc, ew, ez, es, ee, out, mm, nn, kk, gs, kc, split_out
+        );
+        // SAFETY: parameter list matches w4a16_gemv3g_<dt>_r<rows>; pointers per the
+        // caller's contract, checked above for alignment.
+        unsafe { launch(dev, f, grid, (threads, 1, 1), 0, s.handle, &mut p) }
+    };
+    if plan.splits == 1 {
+        return go(a.y, false);
+    }
+    // SAFETY: y holds pairs·N outputs; the workspace per the caller's contract.
+    unsafe {
+        split_k(
+            dev,
+            reduce,
+            plan.splits,
+            a.pairs * a.n,
+            a.y,
+            (a.workspace, a.workspace_bytes),
+            s,
+            &mut |ws| go(ws, true),
+        )
+    }
+}
+
+/// Runs a split-K launch: `partials(ws)` writes `splits` fp32 partial outputs of `mn`
+/// elements into `ws`, then the reduction kernel sums them in split order into `y`. The
+/// workspace is the caller's (`workspace`: pointer, bytes), or 0 to allocate it
+/// stream-ordered on `s`.
+///
+/// # Safety
+/// `y` holds `mn` outputs; a given workspace is device memory of the bytes stated.
+#[allow(clippy::too_many_arguments)]
+unsafe fn split_k(
+    dev: &Device,
+    reduce: Option<Func>,
+    splits: usize,
+    mn: usize,
+    y: u64,
+    workspace: (u64, usize),
+    s: Stream,
+    partials: &mut dyn FnMut(u64) -> Result<()>,
+) -> Result<()> {
+    let (workspace, workspace_bytes) = workspace;
+    let need = splits * mn * 4;
     let stream = s.handle as sys::CUstream;
     let (ws, owned) = if workspace != 0 {
         if workspace_bytes < need {
@@ -777,18 +1125,16 @@ pub unsafe fn w4a16_gemm_awq(
         )
     };
     let res = (|| {
-        let (mut out, mut split_out) = (ws, 1i32);
-        let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
-        // SAFETY: as above; ws holds splits·M·N floats.
-        unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p)? };
+        partials(ws)?;
         let fr = reduce.ok_or_else(|| CudaError::MissingKernel("w4a16_reduce".into()))?;
-        let (mut pws, mut py, mut sp, mut mn) = (ws, y, splits as i32, (m * n) as i64);
-        let mut p = args!(pws, py, sp, mn);
+        let (mut pws, mut py, mut sp, mut n) = (ws, y, splits as i32, mn as i64);
+        let mut p = args!(pws, py, sp, n);
+        // SAFETY: ws holds splits·mn floats, y mn outputs.
         unsafe {
             launch(
                 dev,
                 fr,
-                (blocks(m * n, 256)?, 1, 1),
+                (blocks(mn, 256)?, 1, 1),
                 (256, 1, 1),
                 0,
                 s.handle,
@@ -987,6 +1333,124 @@ pub fn compile_all(device_ordinal: usize) -> Result<()> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grouped_plan_shapes() {
+        for (rows, segs, n, k) in [
+            (1usize, 6usize, 2816usize, 2048usize),
+            (1, 6, 2048, 1408),
+            (2, 80, 2816, 2048),
+            (4, 113, 2048, 1408),
+            (4, 1, 256, 128),
+            (1, 8, 36864, 7168),
+        ] {
+            let p = grouped_plan(132 * 2, rows, segs, n, k);
+            assert!(
+                p.k_chunk.is_multiple_of(8 * GEMV3_WARPS)
+                    && p.splits * p.k_chunk >= k
+                    && (p.splits - 1) * p.k_chunk < k,
+                "{p:?}"
+            );
+            assert!(p.nblocks * grouped_block_n(rows) >= n, "{p:?}");
+            assert!((p.nblocks - 1) * grouped_block_n(rows) < n, "{p:?}");
+        }
+        // A decode step fills the GPU by splitting K; a big table does not split.
+        assert!(grouped_plan(132 * 2, 1, 6, 2816, 2048).splits > 1);
+        assert_eq!(grouped_plan(132 * 2, 2, 512, 2816, 2048).splits, 1);
+    }
+
+    fn grouped_args() -> GroupedGemv {
+        let (k, n, g) = (256, 512, 128);
+        GroupedGemv {
+            x: 256,
+            act: DType::Bf16,
+            x_rows: 256,
+            out_rows: 256,
+            pairs: 6,
+            segments: 256,
+            num_segments: 6,
+            rows: 1,
+            experts: 8,
+            k,
+            n,
+            group_size: g,
+            qweight: 256,
+            qzeros: 256,
+            scales: 256,
+            expert_strides: GroupedGemv::dense_strides(k, n, g),
+            y: 256,
+            workspace: 0,
+            workspace_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn grouped_args_are_validated_before_the_driver() {
+        assert!(grouped_args().validate().is_ok());
+        let bad = |a: GroupedGemv| match a.validate() {
+            Err(CudaError::InvalidArgument { name, .. }) => name,
+            other => panic!("{other:?}"),
+        };
+        let a = grouped_args();
+        assert_eq!(bad(GroupedGemv { rows: 3, ..a }), "rows");
+        assert_eq!(bad(GroupedGemv { n: 40, ..a }), "n");
+        assert_eq!(
+            bad(GroupedGemv {
+                group_size: 96,
+                ..a
+            }),
+            "group_size"
+        );
+        assert_eq!(bad(GroupedGemv { k: 200, ..a }), "k");
+        assert_eq!(bad(GroupedGemv { pairs: 0, ..a }), "pairs");
+        assert_eq!(
+            bad(GroupedGemv {
+                num_segments: 0,
+                ..a
+            }),
+            "num_segments"
+        );
+        assert_eq!(
+            bad(GroupedGemv {
+                num_segments: 70000,
+                ..a
+            }),
+            "num_segments"
+        );
+        assert_eq!(
+            bad(GroupedGemv {
+                act: DType::F32,
+                ..a
+            }),
+            "act"
+        );
+        assert_eq!(bad(GroupedGemv { x: 258, ..a }), "x");
+        assert_eq!(bad(GroupedGemv { segments: 0, ..a }), "segments");
+        let mut st = a.expert_strides;
+        st[2] += 4; // scales of the next expert no longer 16-byte aligned
+        assert_eq!(
+            bad(GroupedGemv {
+                expert_strides: st,
+                ..a
+            }),
+            "expert_strides[2] (scales)"
+        );
+        let mut st = a.expert_strides;
+        st[0] -= 4; // experts would overlap
+        assert_eq!(
+            bad(GroupedGemv {
+                expert_strides: st,
+                ..a
+            }),
+            "expert_strides[0] (qweight)"
+        );
+        // The launch itself rejects them too, whatever the machine.
+        let r = unsafe { w4a16_grouped_gemv_awq(&GroupedGemv { rows: 3, ..a }, Stream::default()) };
+        assert!(matches!(
+            r,
+            Err(CudaError::InvalidArgument { name: "rows", .. })
+        ));
+    }
 
     #[test]
     fn gemm_plan_shapes() {

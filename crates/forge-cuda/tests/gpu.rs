@@ -458,6 +458,225 @@ fn w4a16_gemm_matches_cpu() {
     }
 }
 
+/// Host segment table of the grouped GEMV for routing `ids` (pair = token·top_k + j): pairs
+/// sorted stably by expert (ids outside `[0, E)` in one bucket, given expert id `invalid`),
+/// each run cut every `rows` pairs, padded with count-0 rows to the worst-case size
+/// (padding first when `pad_first`). Returns (order, table, segments).
+fn host_segments(
+    ids: &[i32],
+    experts: usize,
+    rows: usize,
+    invalid: i32,
+    pad_first: bool,
+) -> (Vec<i32>, Vec<i32>, usize) {
+    let p = ids.len();
+    let bucket = |v: i32| {
+        if v >= 0 && (v as usize) < experts {
+            v as usize
+        } else {
+            experts
+        }
+    };
+    let mut order: Vec<usize> = (0..p).collect();
+    order.sort_by_key(|&i| bucket(ids[i])); // stable
+    let mut segs = Vec::new();
+    let mut pos = 0;
+    while pos < p {
+        let b = bucket(ids[order[pos]]);
+        let mut c = 0;
+        while pos + c < p && c < rows && bucket(ids[order[pos + c]]) == b {
+            c += 1;
+        }
+        let e = if b == experts { invalid } else { b as i32 };
+        segs.push([pos as i32, c as i32, e]);
+        pos += c;
+    }
+    let bound = p.min((p + (experts + 1).min(p) * (rows - 1)) / rows).max(1);
+    assert!(
+        segs.len() <= bound,
+        "{} segments > bound {bound}",
+        segs.len()
+    );
+    let pad = vec![[0i32; 3]; bound - segs.len()];
+    let all: Vec<[i32; 3]> = if pad_first {
+        pad.into_iter().chain(segs).collect()
+    } else {
+        segs.into_iter().chain(pad).collect()
+    };
+    let order = order.iter().map(|&i| i as i32).collect();
+    (order, all.concat(), bound)
+}
+
+/// Grouped GEMV (MoE experts) against the CPU dequantization: `tokens` tokens routed to
+/// `top_k` distinct experts each (expert 0 in every other token, masked ids on a few
+/// pairs), x rows gathered by token, outputs at the pair index.
+#[allow(clippy::too_many_arguments)]
+fn grouped_case(
+    rows: usize,
+    tokens: usize,
+    top_k: usize,
+    experts: usize,
+    k: usize,
+    n: usize,
+    g: usize,
+    act: DType,
+    seed: u64,
+) {
+    let layers: Vec<_> = (0..experts)
+        .map(|e| awq_layer(n, k, g, seed * 1000 + e as u64))
+        .collect();
+    let qweight: Vec<i32> = layers.iter().flat_map(|l| l.qweight.clone()).collect();
+    let qzeros: Vec<i32> = layers.iter().flat_map(|l| l.qzeros.clone()).collect();
+    let scales: Vec<f16> = layers.iter().flat_map(|l| l.scales.clone()).collect();
+    let w: Vec<Vec<f32>> = layers
+        .iter()
+        .map(|l| {
+            forge_core::matmul::dequantize_awq(&l.qweight, &l.qzeros, &l.scales, k, n, g).unwrap()
+        })
+        .collect();
+    let mut r = Lcg(seed + 7);
+    let mut ids = Vec::with_capacity(tokens * top_k);
+    for t in 0..tokens {
+        let mut pick: Vec<i32> = Vec::new();
+        if t % 2 == 0 {
+            pick.push(0);
+        }
+        while pick.len() < top_k.min(experts) {
+            let e = r.below(experts as u32) as i32;
+            if !pick.contains(&e) {
+                pick.push(e);
+            }
+        }
+        pick.resize(top_k, -1);
+        ids.extend(pick);
+    }
+    if tokens > 1 {
+        ids[top_k + top_k - 1] = -1;
+        ids[(tokens - 1) * top_k] = experts as i32;
+    }
+    let pairs = ids.len();
+    let invalid = if seed.is_multiple_of(2) {
+        experts as i32
+    } else {
+        -1
+    };
+    let (order, table, nseg) = host_segments(&ids, experts, rows, invalid, seed.is_multiple_of(3));
+    let x_rows: Vec<i32> = order.iter().map(|&p| p / top_k as i32).collect();
+    let xf: Vec<f32> = (0..tokens * k).map(|_| r.n()).collect();
+    let (xbits, xr): (Vec<u16>, Vec<f32>) = match act {
+        DType::F16 => xf
+            .iter()
+            .map(|&v| (f16::from_f32(v).to_bits(), f16::from_f32(v).to_f32()))
+            .unzip(),
+        _ => xf
+            .iter()
+            .map(|&v| (bf16::from_f32(v).to_bits(), bf16::from_f32(v).to_f32()))
+            .unzip(),
+    };
+    let dx = DeviceBuf::from_slice(0, &xbits).unwrap();
+    let dxr = DeviceBuf::from_slice(0, &x_rows).unwrap();
+    let dor = DeviceBuf::from_slice(0, &order).unwrap();
+    let dseg = DeviceBuf::from_slice(0, &table).unwrap();
+    let qw = DeviceBuf::from_slice(0, &qweight).unwrap();
+    let qz = DeviceBuf::from_slice(0, &qzeros).unwrap();
+    let sc = DeviceBuf::from_slice(0, &scales).unwrap();
+    let ws_bytes = ops::w4a16_grouped_workspace_bytes(0, rows, pairs, nseg, n, k, g).unwrap();
+    let ws = DeviceBuf::zeroed(0, ws_bytes.max(16)).unwrap();
+    let mut outs = Vec::new();
+    for own_ws in [false, true] {
+        // NaN-filled output: every element must be written
+        let dy = DeviceBuf::from_slice(0, &vec![0x7E00u16; pairs * n]).unwrap();
+        let a = ops::GroupedGemv {
+            x: dx.ptr(),
+            act,
+            x_rows: dxr.ptr(),
+            out_rows: dor.ptr(),
+            pairs,
+            segments: dseg.ptr(),
+            num_segments: nseg,
+            rows,
+            experts,
+            k,
+            n,
+            group_size: g,
+            qweight: qw.ptr(),
+            qzeros: qz.ptr(),
+            scales: sc.ptr(),
+            expert_strides: ops::GroupedGemv::dense_strides(k, n, g),
+            y: dy.ptr(),
+            workspace: if own_ws { ws.ptr() } else { 0 },
+            workspace_bytes: if own_ws { ws_bytes } else { 0 },
+        };
+        unsafe { ops::w4a16_grouped_gemv_awq(&a, S) }.unwrap();
+        synchronize(0).unwrap();
+        outs.push(dy.download::<u16>().unwrap());
+    }
+    assert_eq!(outs[0], outs[1], "grouped gemv is deterministic");
+    let y = &outs[0];
+    let (wrel, orel) = if act == DType::F16 {
+        (2.0f64.powi(-10), 2.0f64.powi(-10))
+    } else {
+        (2.0f64.powi(-7), 2.0f64.powi(-7))
+    };
+    let mut worst = 0f64;
+    for (pair, &e) in ids.iter().enumerate() {
+        let row = &y[pair * n..(pair + 1) * n];
+        if e < 0 || e as usize >= experts {
+            assert!(row.iter().all(|&b| b == 0), "masked pair {pair}: not zeros");
+            continue;
+        }
+        let xt = &xr[(pair / top_k) * k..(pair / top_k + 1) * k];
+        let we = &w[e as usize];
+        for (j, &bits) in row.iter().enumerate() {
+            let (mut refv, mut mag) = (0f64, 0f64);
+            for (kk, &xv) in xt.iter().enumerate() {
+                let p = xv as f64 * we[j * k + kk] as f64;
+                refv += p;
+                mag += p.abs();
+            }
+            let got = if act == DType::F16 {
+                f16::from_bits(bits).to_f32()
+            } else {
+                bf16::from_bits(bits).to_f32()
+            } as f64;
+            let tol = wrel * mag + orel * refv.abs() + 1e-6;
+            let err = (got - refv).abs();
+            worst = worst.max(err / tol);
+            assert!(
+                err <= tol,
+                "grouped {act:?} r{rows} T{tokens} k{top_k} E{experts} K{k} N{n} G{g}: \
+                 y[pair {pair} (expert {e}), {j}] = {got}, want {refv} (tol {tol})"
+            );
+        }
+    }
+    eprintln!(
+        "grouped {act:?} rows={rows} T={tokens} top_k={top_k} E={experts} K={k} N={n} G={g} \
+         segments={nseg} workspace={ws_bytes}: ok (worst err/tol {worst:.3})"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn w4a16_grouped_gemv_matches_cpu() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    let mut seed = 501;
+    for act in [DType::F16, DType::Bf16] {
+        for rows in [1usize, 2, 4] {
+            for (tokens, top_k) in [(1usize, 6usize), (3, 6), (16, 8)] {
+                grouped_case(rows, tokens, top_k, 16, 512, 256, 128, act, seed);
+                grouped_case(rows, tokens, top_k, 16, 256, 96, 32, act, seed + 1);
+                seed += 2;
+            }
+        }
+        // DeepSeek-V3-like shapes (hidden 2048, expert 1408): decode gate_up (K split),
+        // batch-16 down, and long runs of few experts (every segment full).
+        grouped_case(1, 1, 6, 16, 2048, 2816, 128, act, seed);
+        grouped_case(2, 16, 6, 16, 1408, 2048, 128, act, seed + 1);
+        grouped_case(4, 16, 8, 8, 2048, 512, 64, act, seed + 2);
+        seed += 3;
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
 fn hessian_matches_f64() {

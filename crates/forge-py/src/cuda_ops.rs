@@ -371,3 +371,107 @@ pub fn w4a16_launch(
     }
     .map_err(|e| cuda_err(py, e))
 }
+
+/// Bytes of split-K scratch the grouped MoE GEMV needs (see
+/// `forge_cuda::ops::w4a16_grouped_workspace_bytes`); served from the plan cache after the
+/// first call per shape.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn w4a16_grouped_workspace_bytes(
+    py: Python<'_>,
+    device: usize,
+    rows: usize,
+    pairs: usize,
+    num_segments: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> PyResult<usize> {
+    cu::w4a16_grouped_workspace_bytes(device, rows, pairs, num_segments, n, k, group_size)
+        .map_err(|e| cuda_err(py, e))
+}
+
+/// The grouped MoE GEMV launch behind `forge::awq_moe_gemv`, on plain integers like
+/// [`w4a16_launch`]: `x` (activations, rows read through `x_rows`), `x_rows` / `out_rows`
+/// (int32 `[pairs]`), `segments` (int32 `[num_segments, 3]`: first sorted position, row
+/// count, expert id), the stacked AWQ tensors with their per-expert strides in elements,
+/// `y [pairs, N]` and the split-K `workspace`. The caller allocates every buffer with torch
+/// on that stream and has checked dtypes, devices and shapes; this checks sizes and
+/// alignment and launches asynchronously (legal under CUDA-graph capture).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn w4a16_grouped_launch(
+    py: Python<'_>,
+    x: u64,
+    bf16: bool,
+    x_rows: u64,
+    out_rows: u64,
+    pairs: usize,
+    segments: u64,
+    num_segments: usize,
+    rows: usize,
+    experts: usize,
+    k: usize,
+    n: usize,
+    group_size: usize,
+    qweight: u64,
+    qzeros: u64,
+    scales: u64,
+    expert_strides: [usize; 3],
+    y: u64,
+    workspace: u64,
+    workspace_bytes: usize,
+    device: usize,
+    stream: u64,
+) -> PyResult<()> {
+    if workspace == 0 {
+        // never fall back to a driver allocation outside torch's caching allocator
+        let need =
+            cu::w4a16_grouped_workspace_bytes(device, rows, pairs, num_segments, n, k, group_size)
+                .map_err(|e| cuda_err(py, e))?;
+        if need > 0 {
+            return Err(raise(
+                py,
+                "InvalidValueError",
+                format!("workspace: {need} bytes of split-K scratch needed, got none"),
+            ));
+        }
+    }
+    let args = cu::GroupedGemv {
+        x,
+        act: if bf16 {
+            cu::DType::Bf16
+        } else {
+            cu::DType::F16
+        },
+        x_rows,
+        out_rows,
+        pairs,
+        segments,
+        num_segments,
+        rows,
+        experts,
+        k,
+        n,
+        group_size,
+        qweight,
+        qzeros,
+        scales,
+        expert_strides,
+        y,
+        workspace,
+        workspace_bytes,
+    };
+    // SAFETY: the caller passes live device allocations of the documented sizes on `device`
+    // and a segment table built from valid routing (positions < pairs, rows of x).
+    unsafe {
+        cu::w4a16_grouped_gemv_awq(
+            &args,
+            cu::Stream {
+                device,
+                handle: stream,
+            },
+        )
+    }
+    .map_err(|e| cuda_err(py, e))
+}

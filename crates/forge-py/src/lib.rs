@@ -31,6 +31,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_ops::cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_workspace_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::w4a16_grouped_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        cuda_ops::w4a16_grouped_workspace_bytes,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(run::quantize_model, m)?)?;
     m.add_function(wrap_pyfunction!(run::default_options, m)?)?;
     m.add_function(wrap_pyfunction!(run::validate_options, m)?)?;
