@@ -213,6 +213,66 @@ def test_resume_after_an_abort_is_byte_identical(monkeypatch, src, ids_file, tmp
     forge.verify(part)
 
 
+@pytest.mark.parametrize("kind", ["deepseek", "qwen3_moe", "llama"])
+def test_attention_cache_changes_nothing_but_the_passes(kind, monkeypatch, src, ids_file, tmp_path):
+    """Later stages and the final pass run ``h + mlp(norm(h))`` from the cached attention
+    residual: fewer full-layer forwards, byte-identical checkpoint and next-layer inputs."""
+    model = src if kind == "deepseek" else make_model(kind, tmp_path / kind)
+    calls = {"full": 0}
+    full = calibrate._forward
+
+    def counting(*a, **k):
+        calls["full"] += 1
+        return full(*a, **k)
+
+    monkeypatch.setattr(calibrate, "_forward", counting)
+    results = {}
+    for label, layers in (("cached", calibrate._MLP_TAIL_LAYERS), ("rerun", frozenset())):
+        monkeypatch.setattr(calibrate, "_MLP_TAIL_LAYERS", layers)
+        calls["full"] = 0
+        _, tap = _run(monkeypatch, model, tmp_path / label, ids_file)
+        results[label] = (calls["full"], tap.inputs)
+    (n_cached, in_cached), (n_rerun, in_rerun) = results["cached"], results["rerun"]
+    assert n_cached < n_rerun, (n_cached, n_rerun)
+    for li in in_rerun:
+        for a, b in zip(in_cached[li], in_rerun[li], strict=True):
+            assert torch.equal(a, b), li
+    files = [f for f in sorted((tmp_path / "rerun").iterdir()) if f.name.endswith(".safetensors")]
+    assert files
+    for f in files:
+        assert (tmp_path / "cached" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_attention_cache_layers_end_with_the_mlp_tail():
+    """Every decoder layer the cache trusts ends its forward exactly as the cache replays it."""
+    import importlib
+    import inspect
+    import re
+
+    tail = (
+        "residual = hidden_states\n"
+        "hidden_states = self.post_attention_layernorm(hidden_states)\n"
+        "hidden_states = self.mlp(hidden_states)\n"
+        "hidden_states = residual + hidden_states\n"
+        "return hidden_states"
+    )
+    modules = {
+        "DeepseekV3DecoderLayer": "deepseek_v3",
+        "Qwen3MoeDecoderLayer": "qwen3_moe",
+        "Qwen2MoeDecoderLayer": "qwen2_moe",
+        "MixtralDecoderLayer": "mixtral",
+        "LlamaDecoderLayer": "llama",
+        "MistralDecoderLayer": "mistral",
+        "Qwen2DecoderLayer": "qwen2",
+        "Qwen3DecoderLayer": "qwen3",
+    }
+    assert set(modules) == set(calibrate._MLP_TAIL_LAYERS)
+    for cls_name, mod in modules.items():
+        cls = getattr(importlib.import_module(f"transformers.models.{mod}.modeling_{mod}"), cls_name)
+        src = re.sub(r"\n\s+", "\n", inspect.getsource(cls.forward)).strip()
+        assert src.endswith(tail), cls_name
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "llama"])
 def test_other_families_quantize_and_verify(kind, ids_file, tmp_path):
     src = make_model(kind, tmp_path / kind)

@@ -994,6 +994,78 @@ def _forward(layer, h: torch.Tensor, rotary) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+_MLP_TAIL_LAYERS = frozenset(
+    {
+        "DeepseekV3DecoderLayer",
+        "Qwen3MoeDecoderLayer",
+        "Qwen2MoeDecoderLayer",
+        "MixtralDecoderLayer",
+        "LlamaDecoderLayer",
+        "MistralDecoderLayer",
+        "Qwen2DecoderLayer",
+        "Qwen3DecoderLayer",
+    }
+)
+"""Decoder layers whose forward ends ``h + mlp(post_attention_layernorm(h))`` after the
+attention residual ``h`` (checked against transformers' source by the tests)."""
+
+
+class _AttnCache:
+    """The attention half's output (the residual entering ``post_attention_layernorm``) per
+    calibration chunk, once every attention linear of the layer is final: the later stages
+    and the final pass then run only ``h + mlp(norm(h))`` instead of the whole layer (for a
+    DeepSeek-V3 MoE layer, two attention passes instead of four). Kept on the compute device,
+    only when the activations are kept there too and the copy fits; otherwise the layer is
+    simply rerun."""
+
+    def __init__(self, layer, hidden: _Store):
+        self.store: _Store | None = None
+        self.filled = False
+        dev = hidden.device
+        on_device = "gpu" if dev.type == "cuda" else "cpu"
+        if type(layer).__name__ not in _MLP_TAIL_LAYERS or hidden.where != on_device:
+            return
+        nbytes = sum(t.numel() * t.element_size() for t in hidden.items)
+        if dev.type == "cuda":
+            room, _ = torch.cuda.mem_get_info(dev)
+        else:
+            try:
+                room = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError):
+                room = 1 << 62
+        if 4 * nbytes < 0.5 * room:
+            self.norm, self.mlp = layer.post_attention_layernorm, layer.mlp
+            self.store = _Store(on_device, dev, None)
+
+    def start(self) -> bool:
+        """Starts recording (one stage's forwards, chunk by chunk, once the attention is
+        final); False when there is nothing to do."""
+        if self.store is None or self.filled:
+            return False
+        self.store.drop()
+        self.handle = self.norm.register_forward_pre_hook(lambda _m, args: self.store.append(args[0]))
+        return True
+
+    def stop(self, chunks: int) -> None:
+        """Ends recording: filled when every chunk's forward reached the norm once."""
+        self.handle.remove()
+        self.filled = len(self.store) == chunks
+        if not self.filled:
+            self.store.drop()
+
+    def forward(self, layer, hidden: _Store, ci: int, rotary) -> torch.Tensor:
+        """The layer's output for chunk ``ci``: from the cached residual when filled."""
+        if not self.filled:
+            return _forward(layer, hidden[ci], rotary)
+        h = self.store[ci]
+        return h + self.mlp(self.norm(h))
+
+    def drop(self) -> None:
+        if self.store is not None:
+            self.store.drop()
+        self.filled = False
+
+
 def _input_hook(hs: dict, rel: str, seen: dict, aliases: dict, needed: int, stop: bool):
     """A forward pre-hook adding a linear's input to its Hessian ``hs[rel]``. A linear fed the
     very tensor another linear of the stage already received in this forward (q_a/kv_a, q/k/v,
@@ -1066,7 +1138,12 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
         del layer, routed
         return
 
-    for stage in stages:
+    # the last stage holding an attention linear; the attention half is final after it
+    attn_last = max(
+        (si for si, st in enumerate(stages) if any(n.startswith("self_attn.") for n in st)), default=-1
+    )
+    cache = _AttnCache(layer, hidden)
+    for si, stage in enumerate(stages):
         lin = [s for s in stage if s != "<experts>"]
         collect = "<experts>" in stage
         if collect and prune_now:
@@ -1097,12 +1174,13 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
                 stats.add_routing(logits, idx, fam.scoring)
 
             gate_hook = gate_mod.register_forward_hook(ghook)
+        recording = si > attn_last and cache.start()
         try:
             for ci in range(len(chunks)):
                 seen_in.clear()
                 try:
                     with torch.no_grad(), PHASES("forward"):
-                        _forward(layer, hidden[ci], rotary)
+                        cache.forward(layer, hidden, ci, rotary)
                 except _StopForward:
                     pass
         finally:
@@ -1110,6 +1188,8 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
                 hd.remove()
             if gate_hook is not None:
                 gate_hook.remove()
+            if recording:
+                cache.stop(len(chunks))
         seen_in.clear()
         # Solve the stage's dense linears; same-input linears (q_a/kv_a, gate/up) are solved
         # separately with their shared Hessian, since GPTQ rows are independent.
@@ -1141,19 +1221,24 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             routed.replay_at = 0
         else:
             routed.stats = stats if routed_rows is None and not stats_done else None
-    _final_pass(ctx, layer, routed, hidden, chunks, rotary, li, mode)
+    _final_pass(ctx, layer, routed, hidden, chunks, rotary, li, mode, cache)
+    cache.drop()
     if stats is not None:
         ctx.stats[li] = stats
     del layer, routed
 
 
-def _forward_chunks(layer, hidden: _Store, chunks, rotary, li: int, phase: str, store: bool) -> None:
+def _forward_chunks(
+    layer, hidden: _Store, chunks, rotary, li: int, phase: str, store: bool, cache: _AttnCache | None = None
+) -> None:
     """Runs the layer over every calibration chunk (NaN/Inf refused); with ``store`` its outputs
-    replace the chunks as the next layer's inputs."""
+    replace the chunks as the next layer's inputs. A filled ``cache`` skips the attention."""
     with torch.no_grad():
         for ci in range(len(chunks)):
             with PHASES(phase):
-                out = _forward(layer, hidden[ci], rotary)
+                out = (
+                    cache.forward(layer, hidden, ci, rotary) if cache else _forward(layer, hidden[ci], rotary)
+                )
             if not bool(torch.isfinite(out).all()):
                 raise InvalidValueError(
                     f"layer {li}: the forward produced NaN or Inf (calibration chunk {ci})"
@@ -1162,11 +1247,21 @@ def _forward_chunks(layer, hidden: _Store, chunks, rotary, li: int, phase: str, 
                 hidden[ci] = out
 
 
-def _final_pass(ctx: _Ctx, layer, routed, hidden: _Store, chunks, rotary, li: int, mode: str) -> None:
+def _final_pass(
+    ctx: _Ctx,
+    layer,
+    routed,
+    hidden: _Store,
+    chunks,
+    rotary,
+    li: int,
+    mode: str,
+    cache: _AttnCache | None = None,
+) -> None:
     """Runs the layer over every chunk; its outputs become the next layer's inputs."""
     if routed is not None:
         routed.mode = mode
-    _forward_chunks(layer, hidden, chunks, rotary, li, "forward", True)
+    _forward_chunks(layer, hidden, chunks, rotary, li, "forward", True, cache)
     if routed is not None:
         routed.stats = None
 
