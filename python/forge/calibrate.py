@@ -440,14 +440,19 @@ class _Store:
         self.items = []
 
 
+def _gpu_room(device: torch.device) -> int:
+    """Bytes the caching allocator can still hand out on ``device``: the driver's free memory
+    plus what torch holds reserved but unused (``mem_get_info`` alone misses the latter)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def _where(opts: dict, device: torch.device, nbytes: int) -> str:
     want = opts["activations"]
     if want != "auto":
         return want
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        if 4 * nbytes < 0.5 * free:
-            return "gpu"
+    if device.type == "cuda" and 4 * nbytes < 0.5 * _gpu_room(device):
+        return "gpu"
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
@@ -1027,7 +1032,7 @@ class _AttnCache:
             return
         nbytes = sum(t.numel() * t.element_size() for t in hidden.items)
         if dev.type == "cuda":
-            room, _ = torch.cuda.mem_get_info(dev)
+            room = _gpu_room(dev)
         else:
             try:
                 room = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -1351,12 +1356,13 @@ def _apply_pruning(ctx: _Ctx, layer, routed, moe_attr: str, keep: list[int]) -> 
 
 
 def _expert_chunk(device: torch.device, d: int, inter: int) -> int:
-    """Experts solved together: their Hessians and the batched preparation's working copies
-    (about 8 of the batch's Hessians at peak) must fit in half the free GPU memory."""
+    """Experts solved together: their Hessians with the stacked copy, the factors and the
+    preparation's working memory (about 5 of the batch's Hessians at peak), plus weights and
+    grids, must fit in half the GPU memory torch can still hand out."""
     if device.type != "cuda":
         return 4
-    free, _ = torch.cuda.mem_get_info(device)
-    per = 8 * 4 * (d * d + inter * inter) + 64 * d * inter
+    free = _gpu_room(device)
+    per = 5 * 4 * (d * d + inter * inter) + 64 * d * inter
     return int(max(1, min(64, 0.5 * free // per)))
 
 
