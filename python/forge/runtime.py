@@ -143,10 +143,12 @@ def _awq_gemm_fake(x, qweight, qzeros, scales, group_size):
 #: Most (token, expert) pairs for which :class:`AwqExperts` runs its quantized projections
 #: through the grouped GEMV on CUDA (one launch per projection, no host sync, CUDA-graph
 #: safe) instead of one GEMM per active expert after reading the per-expert counts back.
-#: 128 covers decode up to batch 16 at top-8 (batch 21 at top-6). The SIMT kernel reads each
-#: active expert's weights once per segment of up to 4 rows, so it loses to per-expert
-#: tensor-core GEMMs only once experts get many rows each (prefill).
-GROUPED_MAX_PAIRS = 128
+#: 384 covers decode up to batch 48 at top-8 (batch 64 at top-6): on an H100, one
+#: DeepSeek-V3-like layer (64 experts of 1408, hidden 2048) at 64 tokens x top-6 took 789 µs
+#: eager against 14736 µs for the loop (``benches/results-h100-runtime-moe.json``). The SIMT
+#: kernel reads each active expert's weights once per segment of up to 4 rows, so it loses
+#: to per-expert tensor-core GEMMs only once experts get many rows each (prefill).
+GROUPED_MAX_PAIRS = 384
 # split-K scratch bytes per (device, rows, pairs, segments, N, K, G)
 _GROUPED_WORKSPACE: dict[tuple[int, ...], int] = {}
 
