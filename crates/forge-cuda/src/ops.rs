@@ -604,14 +604,60 @@ fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
         .ok_or(CudaError::MissingKernel(name))
 }
 
-/// Key of a cached GEMM plan: device, activation dtype, M, N, K, group size.
-type PlanKey = (usize, DType, usize, usize, usize, usize);
-/// A GEMM plan with its kernel and (when K is split) the reduction kernel.
-type CachedPlan = (GemmPlan, Func, Option<Func>);
+/// A plan with its kernel and (when K is split) the reduction kernel.
+type Cached<P> = (P, Func, Option<Func>);
+/// A process-wide cache of plans by shape key.
+type PlanCache<K, P> = OnceLock<Mutex<HashMap<K, Cached<P>>>>;
 
-/// The plan for a shape, computed once per (device, dtype, M, N, K, G) and then served from
-/// a process-wide cache: a launch costs one map lookup, no kernel-name formatting, no
+/// The cached plan for `key`, made once by `make` (kernel lookup, occupancy query) and then
+/// served from `cache`: a launch costs one map lookup, no kernel-name formatting, no
 /// occupancy query and no environment read.
+fn cached_plan<K: std::hash::Hash + Eq, P: Copy>(
+    cache: &'static PlanCache<K, P>,
+    key: K,
+    make: impl FnOnce() -> Result<Cached<P>>,
+) -> Result<Cached<P>> {
+    let plans = cache.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(p) = plans.lock().ok().and_then(|p| p.get(&key).copied()) {
+        return Ok(p);
+    }
+    let p = make()?;
+    if let Ok(mut map) = plans.lock() {
+        map.insert(key, p);
+    }
+    Ok(p)
+}
+
+/// The split-K reduction kernel for `act` when K is split in `splits > 1` parts.
+fn reduce_kernel(dev: &Device, act: DType, splits: usize) -> Result<Option<Func>> {
+    if splits <= 1 {
+        return Ok(None);
+    }
+    let name = if act == DType::F16 {
+        "w4a16_reduce_f16"
+    } else {
+        "w4a16_reduce_bf16"
+    };
+    Ok(Some(dev.function(name)?))
+}
+
+/// Largest fp32 split-K workspace over both activation dtypes: `outputs` floats per split of
+/// the plan `splits_of` gives for each dtype.
+fn split_workspace_bytes(
+    outputs: usize,
+    mut splits_of: impl FnMut(DType) -> Result<usize>,
+) -> Result<usize> {
+    let mut bytes = 0;
+    for act in [DType::F16, DType::Bf16] {
+        let splits = splits_of(act)?;
+        if splits > 1 {
+            bytes = bytes.max(splits * outputs * 4);
+        }
+    }
+    Ok(bytes)
+}
+
+/// The GEMM plan for a shape, cached per (device, dtype, M, N, K, G).
 fn plan_for(
     dev: &Device,
     act: DType,
@@ -619,28 +665,12 @@ fn plan_for(
     n: usize,
     k: usize,
     group_size: usize,
-) -> Result<CachedPlan> {
-    static PLANS: OnceLock<Mutex<HashMap<PlanKey, CachedPlan>>> = OnceLock::new();
-    let plans = PLANS.get_or_init(|| Mutex::new(HashMap::new()));
-    let key = (dev.ordinal, act, m, n, k, group_size);
-    if let Some(p) = plans.lock().ok().and_then(|p| p.get(&key).copied()) {
-        return Ok(p);
-    }
-    let (plan, f) = plan_uncached(dev, act, m, n, k, group_size)?;
-    let reduce = if plan.splits > 1 {
-        Some(dev.function(if act == DType::F16 {
-            "w4a16_reduce_f16"
-        } else {
-            "w4a16_reduce_bf16"
-        })?)
-    } else {
-        None
-    };
-    let p = (plan, f, reduce);
-    if let Ok(mut map) = plans.lock() {
-        map.insert(key, p);
-    }
-    Ok(p)
+) -> Result<Cached<GemmPlan>> {
+    static PLANS: PlanCache<(usize, DType, usize, usize, usize, usize), GemmPlan> = OnceLock::new();
+    cached_plan(&PLANS, (dev.ordinal, act, m, n, k, group_size), || {
+        let (plan, f) = plan_uncached(dev, act, m, n, k, group_size)?;
+        Ok((plan, f, reduce_kernel(dev, act, plan.splits)?))
+    })
 }
 
 fn plan_uncached(
@@ -673,14 +703,9 @@ pub fn w4a16_workspace_bytes(
     group_size: usize,
 ) -> Result<usize> {
     let dev = device(device_ordinal)?;
-    let mut bytes = 0;
-    for act in [DType::F16, DType::Bf16] {
-        let (plan, _, _) = plan_for(dev, act, m, n, k, group_size)?;
-        if plan.splits > 1 {
-            bytes = bytes.max(plan.splits * m * n * 4);
-        }
-    }
-    Ok(bytes)
+    split_workspace_bytes(m * n, |act| {
+        Ok(plan_for(dev, act, m, n, k, group_size)?.0.splits)
+    })
 }
 
 /// `y[M, N] = x[M, K] · dequant(W)ᵀ` reading the AWQ tensors directly: `x`, `y` of `act`
@@ -933,12 +958,6 @@ struct GroupedPlan {
     k_chunk: usize,
 }
 
-/// Key of a cached grouped plan: device, activation dtype, rows per segment, segments, N,
-/// K, group size.
-type GroupedKey = (usize, DType, usize, usize, usize, usize, usize);
-/// A grouped plan with its kernel and (when K is split) the reduction kernel.
-type CachedGrouped = (GroupedPlan, Func, Option<Func>);
-
 /// Word columns per lane of the grouped kernel for `rows` (as the plain version 3).
 fn grouped_block_n(rows: usize) -> usize {
     8 * 32 * gemv3_shape(rows).1
@@ -955,6 +974,8 @@ fn grouped_plan(slots: usize, rows: usize, segments: usize, n: usize, k: usize) 
     }
 }
 
+/// The grouped plan for a shape, cached per (device, dtype, rows per segment, segments, N,
+/// K, G).
 fn grouped_plan_for(
     dev: &Device,
     act: DType,
@@ -963,36 +984,22 @@ fn grouped_plan_for(
     n: usize,
     k: usize,
     group_size: usize,
-) -> Result<CachedGrouped> {
-    static PLANS: OnceLock<Mutex<HashMap<GroupedKey, CachedGrouped>>> = OnceLock::new();
-    let plans = PLANS.get_or_init(|| Mutex::new(HashMap::new()));
+) -> Result<Cached<GroupedPlan>> {
+    type Key = (usize, DType, usize, usize, usize, usize, usize);
+    static PLANS: PlanCache<Key, GroupedPlan> = OnceLock::new();
     let key = (dev.ordinal, act, rows, segments, n, k, group_size);
-    if let Some(p) = plans.lock().ok().and_then(|p| p.get(&key).copied()) {
-        return Ok(p);
-    }
-    let (suffix, reduce) = if act == DType::F16 {
-        ("f16", "w4a16_reduce_f16")
-    } else {
-        ("bf16", "w4a16_reduce_bf16")
-    };
-    let name = format!("w4a16_gemv3g_{suffix}_r{rows}");
-    let name = crate::kernels::all_kernels()
-        .find(|k| *k == name)
-        .ok_or(CudaError::MissingKernel(name))?;
-    let f = dev.function(name)?;
-    let sms = dev.sm_count.max(1) as usize;
-    let occ = dev.occupancy(f, (32 * GEMV3_WARPS) as u32, 0);
-    let plan = grouped_plan(sms * occ, rows, segments, n, k);
-    let reduce = if plan.splits > 1 {
-        Some(dev.function(reduce)?)
-    } else {
-        None
-    };
-    let p = (plan, f, reduce);
-    if let Ok(mut map) = plans.lock() {
-        map.insert(key, p);
-    }
-    Ok(p)
+    cached_plan(&PLANS, key, || {
+        let suffix = if act == DType::F16 { "f16" } else { "bf16" };
+        let name = format!("w4a16_gemv3g_{suffix}_r{rows}");
+        let name = crate::kernels::all_kernels()
+            .find(|k| *k == name)
+            .ok_or(CudaError::MissingKernel(name))?;
+        let f = dev.function(name)?;
+        let sms = dev.sm_count.max(1) as usize;
+        let occ = dev.occupancy(f, (32 * GEMV3_WARPS) as u32, 0);
+        let plan = grouped_plan(sms * occ, rows, segments, n, k);
+        Ok((plan, f, reduce_kernel(dev, act, plan.splits)?))
+    })
 }
 
 /// Bytes of fp32 workspace [`w4a16_grouped_gemv_awq`] needs on `device` for `pairs` output
@@ -1011,14 +1018,13 @@ pub fn w4a16_grouped_workspace_bytes(
         return Err(CudaError::arg("rows", "1, 2 or 4", rows));
     }
     let dev = device(device_ordinal)?;
-    let mut bytes = 0;
-    for act in [DType::F16, DType::Bf16] {
-        let (plan, _, _) = grouped_plan_for(dev, act, rows, num_segments, n, k, group_size)?;
-        if plan.splits > 1 {
-            bytes = bytes.max(plan.splits * pairs * n * 4);
-        }
-    }
-    Ok(bytes)
+    split_workspace_bytes(pairs * n, |act| {
+        Ok(
+            grouped_plan_for(dev, act, rows, num_segments, n, k, group_size)?
+                .0
+                .splits,
+        )
+    })
 }
 
 /// Grouped W4A16 GEMV over stacked AWQ experts (see [`GroupedGemv`]): for every sorted
