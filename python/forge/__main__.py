@@ -81,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     # A calibrated run (--method gptq, or pruning / router statistics from calibration text):
     # the forward pass runs here, in Python.
     signal.signal(signal.SIGINT, prev)
-    if out[0] == "prune":
-        return _calibrate_main(*out[1:])
     return _calibrate_main(*out)
 
 

@@ -568,21 +568,6 @@ pub fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<Py<PyAny>> {
     let o = crate::errors::detach_guarded(py, "cli", || forge_run::cli::dispatch(argv))?;
     match o {
         Outcome::Exit(code) => Ok(code.into_pyobject(py)?.into_any().unbind()),
-        Outcome::Prune {
-            model_dir,
-            out_dir,
-            options,
-            json,
-        } => {
-            let t = (
-                "prune",
-                model_dir.display().to_string(),
-                out_dir.display().to_string(),
-                to_py(py, &options)?,
-                json,
-            );
-            Ok(t.into_pyobject(py)?.into_any().unbind())
-        }
         Outcome::Calibrate {
             model_dir,
             out_dir,

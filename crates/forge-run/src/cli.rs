@@ -352,21 +352,10 @@ impl Drop for BarProgress {
 pub enum Outcome {
     /// Done; exit with this code.
     Exit(i32),
-    /// A calibrated run: the caller (the Python package) runs it with these
-    /// options, then reports like `quantize` does.
+    /// A run the Python package performs (the calibration forward, and every pruning run
+    /// with its reports): the caller runs it with these options, then reports like
+    /// `quantize` does.
     Calibrate {
-        /// Source folder.
-        model_dir: PathBuf,
-        /// Output folder.
-        out_dir: PathBuf,
-        /// The options as JSON (validated).
-        options: serde_json::Value,
-        /// Print the report as JSON.
-        json: bool,
-    },
-    /// A pruning run that needs the calibration forward: the caller (the
-    /// Python package, `python -m forge prune`) runs it with these options.
-    Prune {
         /// Source folder.
         model_dir: PathBuf,
         /// Output folder.
@@ -571,21 +560,11 @@ fn run_args(a: RunArgs, prune: bool) -> Result<Outcome> {
     }
     // The calibration forward, and every pruning run (its reports), run in the Python package.
     if opts.uses_calibration() || opts.prunes() {
-        let options = opts.to_json();
-        return Ok(if prune {
-            Outcome::Prune {
-                model_dir,
-                out_dir,
-                options,
-                json,
-            }
-        } else {
-            Outcome::Calibrate {
-                model_dir,
-                out_dir,
-                options,
-                json,
-            }
+        return Ok(Outcome::Calibrate {
+            model_dir,
+            out_dir,
+            options: opts.to_json(),
+            json,
         });
     }
     if NATIVE.load(Ordering::Relaxed) {
@@ -684,7 +663,7 @@ where
     let args: Vec<OsString> = argv.into_iter().map(Into::into).collect();
     match dispatch(args.clone()) {
         Outcome::Exit(c) => c,
-        Outcome::Calibrate { .. } | Outcome::Prune { .. } => {
+        Outcome::Calibrate { .. } => {
             let python = std::env::var_os("FORGE_PYTHON").unwrap_or_else(|| "python3".into());
             let status = std::process::Command::new(&python)
                 .arg("-m")

@@ -385,6 +385,13 @@ impl RouterStats {
         self.layers.iter().position(|&l| l == layer)
     }
 
+    /// `(counts, mass, reap)` of `layer` (the first row when the file has no such layer;
+    /// [`RouterStats::check`] refuses files missing a MoE layer).
+    pub fn layer(&self, layer: usize) -> (&[f64], &[f64], &[f64]) {
+        let r = self.row(layer).unwrap_or(0);
+        (&self.counts[r], &self.mass[r], &self.reap[r])
+    }
+
     /// Checks the statistics against the model: same expert count, same
     /// `model_type` (when recorded), every MoE layer present and nothing else.
     pub fn check(&self, config: &Value, num_experts: usize, moe_layers: &[usize]) -> Result<()> {
@@ -615,15 +622,8 @@ pub fn resolve(
             Error::options("keep_mass", "needs router_stats (per-layer counts are known only from statistics given up front)")
         })?;
         for &l in moe_layers {
-            let r = s.row(l).unwrap_or(0);
-            let sc = scores(
-                &s.counts[r],
-                &s.mass[r],
-                &s.reap[r],
-                opts.criterion,
-                opts.seed,
-                l,
-            )?;
+            let (counts, mass, reap) = s.layer(l);
+            let sc = scores(counts, mass, reap, opts.criterion, opts.seed, l)?;
             keep.insert(l, keep_for_mass(&sc, frac));
         }
     } else if let Some((k, name)) = uniform_keep(opts, e, n_group, layout) {
@@ -640,17 +640,8 @@ pub fn resolve(
             1
         };
         for (&l, &k) in &keep {
-            let r = s.row(l).unwrap_or(0);
-            let ids = select_experts(
-                &s.counts[r],
-                &s.mass[r],
-                &s.reap[r],
-                opts.criterion,
-                k,
-                g,
-                opts.seed,
-                l,
-            )?;
+            let (counts, mass, reap) = s.layer(l);
+            let ids = select_experts(counts, mass, reap, opts.criterion, k, g, opts.seed, l)?;
             bound.insert(l, ids);
         }
     }

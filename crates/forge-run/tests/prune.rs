@@ -575,7 +575,7 @@ fn cli_prune_hands_every_pruning_run_to_python_and_the_native_run_prunes_from_st
     ];
     // The CLI hands it to the Python package (which also writes the expert map and report) ...
     let options = match forge_run::cli::dispatch::<_, String>(argv) {
-        Outcome::Prune { options, .. } => options,
+        Outcome::Calibrate { options, .. } => options,
         o => panic!("{o:?}"),
     };
     assert_eq!(options["keep_experts"], json!(4));
@@ -597,7 +597,7 @@ fn cli_prune_hands_every_pruning_run_to_python_and_the_native_run_prunes_from_st
         "mass".into(),
     ];
     match forge_run::cli::dispatch::<_, String>(argv) {
-        Outcome::Prune { options, .. } => {
+        Outcome::Calibrate { options, .. } => {
             assert_eq!(options["prune_ratio"], json!(0.5));
             assert_eq!(options["criterion"], "mass");
         }
