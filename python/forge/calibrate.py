@@ -447,16 +447,21 @@ def _gpu_room(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def _host_room() -> int:
+    """Bytes of host memory still available (unbounded when the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
 def _where(opts: dict, device: torch.device, nbytes: int) -> str:
     want = opts["activations"]
     if want != "auto":
         return want
     if device.type == "cuda" and 4 * nbytes < 0.5 * _gpu_room(device):
         return "gpu"
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        avail = 1 << 62
+    avail = _host_room()
     if device.type == "cpu" or 4 * nbytes < 0.5 * avail:
         return "cpu" if 4 * nbytes < 0.8 * avail else "disk"
     return "disk"
@@ -1031,13 +1036,7 @@ class _AttnCache:
         if type(layer).__name__ not in _MLP_TAIL_LAYERS or hidden.where != on_device:
             return
         nbytes = sum(t.numel() * t.element_size() for t in hidden.items)
-        if dev.type == "cuda":
-            room = _gpu_room(dev)
-        else:
-            try:
-                room = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            except (ValueError, OSError):
-                room = 1 << 62
+        room = _gpu_room(dev) if dev.type == "cuda" else _host_room()
         if 4 * nbytes < 0.5 * room:
             self.norm, self.mlp = layer.post_attention_layernorm, layer.mlp
             self.store = _Store(on_device, dev, None)
