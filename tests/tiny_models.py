@@ -102,16 +102,12 @@ CONFIGS = {
 }
 
 
-def make_model(kind: str, out: Path, seed: int = 0, shard: str = "60KB") -> Path:
-    """Saves a random tiny model of `kind` in several bf16 shards (plus tokenizer-like side files).
-
-    Random init is scaled up so quantization error is visible against the weights' range, and the
-    DeepSeek variant gets a hand-made MTP layer (index num_hidden_layers) like the released weights.
-    """
+def random_model(cfg):
+    """A bf16 transformers model of `cfg` with matrices drawn from N(0, 0.05²) (scaled up so
+    quantization error is visible against the weights' range) and router biases from
+    N(0, 0.01²), from torch's current seed."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = CONFIGS[kind]()
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -119,6 +115,19 @@ def make_model(kind: str, out: Path, seed: int = 0, shard: str = "60KB") -> Path
                 p.normal_(0.0, 0.05)
             elif "e_score_correction_bias" in name:
                 p.normal_(0.0, 0.01)
+    return model
+
+
+def make_model(kind: str, out: Path, seed: int = 0, shard: str = "60KB") -> Path:
+    """Saves a random tiny model of `kind` in several bf16 shards (plus tokenizer-like side files).
+
+    Random init is scaled up so quantization error is visible against the weights' range, and the
+    DeepSeek variant gets a hand-made MTP layer (index num_hidden_layers) like the released weights.
+    """
+
+    torch.manual_seed(seed)
+    cfg = CONFIGS[kind]()
+    model = random_model(cfg)
     model.save_pretrained(out, max_shard_size=shard)
     (out / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "WordLevel"}}\n')
     (out / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}\n')
