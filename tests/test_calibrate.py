@@ -71,8 +71,18 @@ def _close(a, b, rel=1e-4):
     assert err <= rel * scale, f"max |diff| {err:.3e} > {rel} x {scale:.3e}"
 
 
-def test_hessians_equal_xtx_of_the_layers_inputs(monkeypatch, src, ids_file, tmp_path):
+def _small_blocks(monkeypatch, small: bool) -> None:
+    """Routed rows gathered 5 at a time, routed outputs accumulated 24 tokens at a time (the
+    run has 256 tokens): the bounded-memory expert pass in many pieces."""
+    if small:
+        monkeypatch.setattr(calibrate, "GATHER_ROWS", 5)
+        monkeypatch.setattr(calibrate, "OUTPUT_WINDOW", 24)
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_hessians_equal_xtx_of_the_layers_inputs(small, monkeypatch, src, ids_file, tmp_path):
     """Dense linears, shared experts and each routed expert over exactly its routed tokens."""
+    _small_blocks(monkeypatch, small)
     _, tap = _run(monkeypatch, src, tmp_path / "o", ids_file, true_sequential=False)
     model = _ref_model(src)
     cap: dict[str, list[torch.Tensor]] = {}
@@ -127,7 +137,11 @@ def test_written_weights_are_gptq_of_the_tapped_hessian(monkeypatch, src, ids_fi
     forge.verify(out)
 
 
-def test_gptq_beats_rtn_and_next_layer_inputs_follow_the_checkpoint(monkeypatch, src, ids_file, tmp_path):
+@pytest.mark.parametrize("small", [False, True])
+def test_gptq_beats_rtn_and_next_layer_inputs_follow_the_checkpoint(
+    small, monkeypatch, src, ids_file, tmp_path
+):
+    _small_blocks(monkeypatch, small)
     out = tmp_path / "o"
     _, tap = _run(monkeypatch, src, out, ids_file)
     rows = json.loads((out / "forge/report.json").read_text())["linears"]
@@ -211,6 +225,81 @@ def test_resume_after_an_abort_is_byte_identical(monkeypatch, src, ids_file, tmp
         rel = f.relative_to(whole)
         assert (part / rel).read_bytes() == f.read_bytes(), rel
     forge.verify(part)
+
+
+def test_resume_from_an_older_state_redoes_the_layers_after_it(monkeypatch, src, ids_file, tmp_path):
+    """States are saved only every few layers when they are large (``STATE_BUDGET``): a
+    resumed run restarts from the last saved layer and redoes the ones after it."""
+    whole = tmp_path / "whole"
+    forge.quantize_model(src, whole, **_opts(ids_file))
+    calls = []
+
+    def first_only(self, nbytes, seconds):
+        calls.append(nbytes)
+        return len(calls) == 1
+
+    part = tmp_path / "part"
+    monkeypatch.setattr(calibrate._StatePolicy, "due", first_only)
+    monkeypatch.setenv("FORGE_TEST_ABORT_AFTER_LAYERS", "3")
+    with pytest.raises(RuntimeError, match="test abort"):
+        forge.quantize_model(src, part, **_opts(ids_file))
+    assert len(calls) == 2  # asked after layers 0 and 1; saved after layer 0 only
+    assert [p.name for p in (part / "forge-state").glob("*.safetensors")] != []
+    monkeypatch.delenv("FORGE_TEST_ABORT_AFTER_LAYERS")
+    monkeypatch.undo()
+    rep = forge.quantize_model(src, part, **_opts(ids_file, resume=True))
+    assert rep.resumed_units == 2  # non-layer tensors + layer 0; layer 1 redone
+    for f in sorted(whole.rglob("*")):
+        if f.is_file() and f.suffix in (".safetensors", ".json") and f.name != "report.json":
+            rel = f.relative_to(whole)
+            assert (part / rel).read_bytes() == f.read_bytes(), rel
+    forge.verify(part)
+
+
+@pytest.mark.parametrize("where", ["cpu", "disk"])
+def test_activation_placements_give_the_same_checkpoint(where, src, ids_file, tmp_path):
+    forge.quantize_model(src, tmp_path / "auto", **_opts(ids_file))
+    forge.quantize_model(src, tmp_path / where, **_opts(ids_file, activations=where))
+    files = sorted((tmp_path / "auto").glob("*.safetensors"))
+    assert files
+    for f in files:
+        assert (tmp_path / where / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_state_policy_keeps_saving_time_within_its_budget():
+    p = calibrate._StatePolicy()
+    nbytes = 10 * 2**30
+    # before any save: 1 GB/s assumed, 10.7 s per save -> due after 9 x 10.7 s of layers
+    assert not p.due(nbytes, 50.0)
+    assert p.due(nbytes, 50.0)
+    p.saved(nbytes, 2.0)  # measured: 2 s per save -> due after 18 s of layers
+    assert not p.due(nbytes, 10.0)
+    assert p.due(nbytes, 9.0)
+    p.saved(1, 0.0)
+    assert p.due(1, 0.0)  # cheap states are saved after every layer
+
+
+def test_write_safetensors_streams_a_file_safetensors_reads(tmp_path):
+    from safetensors.torch import load_file
+
+    ts = {
+        "a": torch.randn(3, 5).bfloat16(),
+        "b": torch.arange(7, dtype=torch.float64),
+        "c": torch.zeros(0, dtype=torch.uint8),
+        "d": torch.randn(2, 2, 2),
+    }
+    path = tmp_path / "x.safetensors"
+    calibrate.write_safetensors(
+        str(path),
+        {k: (v.dtype, tuple(v.shape)) for k, v in ts.items()},
+        {k: (lambda v=v: v) for k, v in ts.items()},
+    )
+    back = load_file(path)
+    assert set(back) == set(ts)
+    for k, v in ts.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    with pytest.raises(errors.InvalidValueError, match="changed while being written"):
+        calibrate.write_safetensors(str(path), {"a": (torch.float32, (3,))}, {"a": lambda: torch.zeros(4)})
 
 
 @pytest.mark.parametrize("kind", ["deepseek", "qwen3_moe", "llama"])
@@ -362,6 +451,27 @@ def test_gptq_run_on_cuda_agrees_with_the_cpu(src, ids_file, tmp_path):
     a, b = dequantized_state_dict(tmp_path / "cpu", G), dequantized_state_dict(tmp_path / "gpu", G)
     same = sum(int((a[k] == b[k]).sum()) for k in a) / sum(a[k].numel() for k in a)
     assert same > 0.8, same
+
+
+@pytest.mark.cuda
+def test_routed_inputs_in_host_memory_give_the_same_checkpoint(monkeypatch, src, ids_file, tmp_path):
+    """When the collected expert inputs do not fit on the GPU they live in pinned host memory
+    and are gathered from there: the same checkpoint, byte for byte."""
+    _small_blocks(monkeypatch, True)
+    forge.quantize_model(src, tmp_path / "dev", **_opts(ids_file, device="cuda"))
+    made = []
+    real = calibrate._Collected.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        made.append(self.x.device.type)
+
+    monkeypatch.setattr(calibrate._Collected, "__init__", spy)
+    monkeypatch.setattr(calibrate._Collected, "DEVICE_SHARE", 0.0)
+    forge.quantize_model(src, tmp_path / "host", **_opts(ids_file, device="cuda"))
+    assert made and set(made) == {"cpu"}
+    for f in sorted((tmp_path / "dev").glob("*.safetensors")):
+        assert (tmp_path / "host" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])

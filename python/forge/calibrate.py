@@ -405,14 +405,21 @@ class _Store:
     def __init__(self, where: str, device: torch.device, folder: Path | None):
         self.where, self.device, self.folder = where, device, folder
         self.items: list[Any] = []
+        self.meta: list[Any] = []
         if where == "disk" and folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
 
     def append(self, t: torch.Tensor) -> None:
         self.items.append(None)
+        self.meta.append(None)
         self[len(self.items) - 1] = t
 
+    def shape(self, i: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        """Chunk ``i``'s dtype and shape, without loading it."""
+        return self.meta[i]
+
     def __setitem__(self, i: int, t: torch.Tensor) -> None:
+        self.meta[i] = (t.dtype, tuple(t.shape))
         if self.where == "gpu":
             self.items[i] = t.to(self.device)
         elif self.where == "cpu":
@@ -437,7 +444,41 @@ class _Store:
         for v in self.items:
             if isinstance(v, Path):
                 v.unlink(missing_ok=True)
-        self.items = []
+        self.items, self.meta = [], []
+
+
+_ST_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.uint8: "U8",
+    torch.int64: "I64",
+}
+
+
+def write_safetensors(
+    path: str,
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    sources: dict[str, Callable[[], torch.Tensor]],
+) -> None:
+    """Writes a safetensors file one tensor at a time: ``shapes`` gives each tensor's dtype and
+    shape for the header, ``sources[name]()`` the tensor when its bytes are due (so only one is
+    in host memory at a time, unlike ``safetensors.torch.save_file``)."""
+    header, at = {}, 0
+    for name, (dt, shape) in shapes.items():
+        n = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for name, (dt, shape) in shapes.items():
+            t = sources[name]().detach().to("cpu").contiguous()
+            if t.dtype != dt or tuple(t.shape) != tuple(shape):
+                raise InvalidValueError(f"{path}: tensor {name} changed while being written")
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _gpu_room(device: torch.device) -> int:
@@ -459,12 +500,12 @@ def _where(opts: dict, device: torch.device, nbytes: int) -> str:
     want = opts["activations"]
     if want != "auto":
         return want
+    # On the GPU: the chunks, the attention cache and the collected expert inputs (3x) with
+    # room to spare. In host memory: the chunks and, when the GPU cannot hold them, the
+    # collected expert inputs (2x).
     if device.type == "cuda" and 4 * nbytes < 0.5 * _gpu_room(device):
         return "gpu"
-    avail = _host_room()
-    if device.type == "cpu" or 4 * nbytes < 0.5 * avail:
-        return "cpu" if 4 * nbytes < 0.8 * avail else "disk"
-    return "disk"
+    return "cpu" if 2 * nbytes < 0.8 * _host_room() else "disk"
 
 
 # --------------------------------------------------------------------------------------
@@ -562,7 +603,7 @@ class _RoutedExperts(torch.nn.Module):
         self.w = weights  # expert id -> [gate (I, D), up (I, D), down (D, I)]
         self.n_experts, self.act = n_experts, act
         self.mode = "run"
-        self.collected: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.collected: _Collected | None = None
         self.replay_rows: torch.Tensor | None = None
         self.replay_at = 0
         self.stats: _Stats | None = None
@@ -574,7 +615,8 @@ class _RoutedExperts(torch.nn.Module):
         if self.remap is not None:
             top_k_index, top_k_weights = self.remapped(top_k_index, top_k_weights)
         if self.mode == "collect":
-            self.collected.append((x.detach(), top_k_index.detach(), top_k_weights.detach()))
+            assert self.collected is not None
+            self.collected.add(x.detach(), top_k_index.detach(), top_k_weights.detach())
             return torch.zeros_like(x)
         if self.mode == "zero":
             return torch.zeros_like(x)
@@ -619,6 +661,45 @@ class _RoutedExperts(torch.nn.Module):
                 self.stats.add_reap(e, wt * y.float().norm(dim=-1))
             out.index_put_((tok,), y.float() * wt[:, None], accumulate=True)
         return out.to(x.dtype)
+
+
+class _Collected:
+    """Every calibration token's input to the routed experts, in one buffer allocated up front
+    (on the compute device when it takes at most half of the memory left, else in pinned host
+    memory), with its expert ids and router weights. After the experts are solved the buffer
+    holds the layer's routed output instead, computed in place window by window."""
+
+    DEVICE_SHARE = 0.5  # of the memory left on the compute device
+
+    def __init__(self, tokens: int, d: int, dtype: torch.dtype, device: torch.device):
+        nbytes = tokens * d * torch.empty(0, dtype=dtype).element_size()
+        on_device = device.type != "cuda" or nbytes <= self.DEVICE_SHARE * _gpu_room(device)
+        if on_device:
+            self.x = torch.empty(tokens, d, dtype=dtype, device=device)
+        else:
+            try:
+                self.x = torch.empty(tokens, d, dtype=dtype, pin_memory=True)
+            except RuntimeError:  # page-locked memory refused: pageable works, slower
+                self.x = torch.empty(tokens, d, dtype=dtype)
+        self.at = 0
+        self.ids: list[torch.Tensor] = []
+        self.weights: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1])
+        n = x.shape[0]
+        if self.at + n > self.x.shape[0]:
+            raise InvalidValueError("internal: more routed tokens than calibration tokens")
+        self.x[self.at : self.at + n].copy_(x, non_blocking=True)
+        self.at += n
+        self.ids.append(idx)
+        self.weights.append(wts)
+
+    def rows(self, tok: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The inputs of tokens ``tok`` (ids on ``device``) on ``device``."""
+        if self.x.device == tok.device:
+            return self.x.index_select(0, tok)
+        return self.x.index_select(0, tok.cpu()).to(device, non_blocking=True)
 
 
 @dataclass
@@ -863,23 +944,26 @@ def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     hidden = _Store(where, device, off / "hidden")
     resume = sess.resume_state()
     if resume is not None:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        st = load_file(resume[1])
-        for i in range(len(chunks)):
-            hidden.append(st[f"hidden.{i}"])
-        for k, v in st.items():
-            if k.startswith("stats."):
-                _, li, what = k.split(".")
-                s = ctx.stats.setdefault(int(li), _Stats(v.numel()))
-                setattr(s, what, v.double())
-        prev = json.loads(st.get("report", torch.zeros(0, dtype=torch.uint8)).numpy().tobytes() or b"[]")
-        ctx.report.extend(prev)
+        with safe_open(resume[1], "pt") as st:
+            for i in range(len(chunks)):
+                hidden.append(st.get_tensor(f"hidden.{i}"))
+            for k in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if k.startswith("stats."):
+                    _, li, what = k.split(".")
+                    v = st.get_tensor(k)
+                    s = ctx.stats.setdefault(int(li), _Stats(v.numel()))
+                    setattr(s, what, v.double())
+            report = st.get_tensor("report") if "report" in st.keys() else torch.zeros(0, dtype=torch.uint8)  # noqa: SIM118
+        ctx.report.extend(json.loads(report.numpy().tobytes() or b"[]"))
         notes.append(f"resumed after {resume[0]}")
 
     bar = tqdm(total=len(units), desc="layers", disable=not opts["progress"], unit="unit")
     abort_after = int(os.environ.get(ABORT_ENV, "0") or 0)
     processed = 0
+    last_layer = max((u["index"] for u in layer_units if not u["mtp"]), default=-1)
+    saving = _StatePolicy()
     for u in units:
         if u["done"]:
             bar.update(1)
@@ -887,7 +971,8 @@ def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
         t0 = time.perf_counter()
         state_path = None
         if u["layer"] is None:
-            sess.write_unquantized(u["index"])
+            with PHASES("write unquantized"):
+                sess.write_unquantized(u["index"])
             if len(hidden) == 0:
                 if embed is None:
                     raise CheckpointError(f"{model_dir}: no embed_tokens.weight among the non-layer tensors")
@@ -900,15 +985,22 @@ def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
                 raise CheckpointError("internal: no calibration hidden states before the first layer")
             _process_layer(ctx, meta_layers, rotary, u, hidden, chunks, bar)
             # After the layer: a pruned layer's experts are bound to their sources by now.
-            sess.write_unquantized(u["index"])
+            with PHASES("write unquantized"):
+                sess.write_unquantized(u["index"])
             if opts["method"] == "rtn":
                 with PHASES("rtn"):
                     sess.quantize_rtn(u["index"])
-            state_path = sess.state_path(u["index"])
-            _save_state(state_path, hidden, ctx)
+            if u["index"] != last_layer and saving.due(hidden_bytes, time.perf_counter() - t0):
+                state_path = sess.state_path(u["index"])
+                t_save = time.perf_counter()
+                with PHASES("save state"):
+                    _save_state(state_path, hidden, ctx)
+                saving.saved(hidden_bytes, time.perf_counter() - t_save)
         else:
-            sess.write_unquantized(u["index"])
-        sess.commit(u["index"], os.fspath(state_path) if state_path else None)
+            with PHASES("write unquantized"):
+                sess.write_unquantized(u["index"])
+        with PHASES("commit"):
+            sess.commit(u["index"], os.fspath(state_path) if state_path else None)
         ctx.layer_seconds[u["layer"] if u["layer"] is not None else -1] = time.perf_counter() - t0
         bar.update(1)
         processed += 1
@@ -983,17 +1075,43 @@ def _run_bound(sess, opts: dict, summary: dict, pruning: dict) -> dict:
     return rep
 
 
-def _save_state(path: str, hidden: _Store, ctx: _Ctx) -> None:
-    from safetensors.torch import save_file
+STATE_BUDGET = 0.1
+"""Largest share of the run's time spent writing resume states. The activations entering the
+next layer (2M tokens x 7168 x bf16 = 29 GB for DeepSeek-V3) are saved after a layer only when
+the layers since the last save took at least ``1 / STATE_BUDGET - 1`` times what a save costs
+(measured at the last save; estimated at 1 GB/s before the first); a resumed run redoes the
+layers after the last save."""
 
-    t = {f"hidden.{i}": hidden[i].cpu().contiguous() for i in range(len(hidden))}
+
+class _StatePolicy:
+    def __init__(self):
+        self.since, self.per_byte = 0.0, 1e-9
+
+    def due(self, nbytes: int, layer_seconds: float) -> bool:
+        self.since += layer_seconds
+        return self.since * STATE_BUDGET >= nbytes * self.per_byte * (1 - STATE_BUDGET)
+
+    def saved(self, nbytes: int, seconds: float) -> None:
+        self.since, self.per_byte = 0.0, seconds / max(nbytes, 1)
+
+
+def _save_state(path: str, hidden: _Store, ctx: _Ctx) -> None:
+    """The resume state (activations, router statistics, report rows so far) as a safetensors
+    file, written tensor by tensor (one chunk in host memory at a time), fsynced by commit."""
+    small = {}
     for li, s in ctx.stats.items():
-        t[f"stats.{li}.counts"] = s.counts.clone()
-        t[f"stats.{li}.mass"] = s.mass.clone()
-        t[f"stats.{li}.reap"] = s.reap.clone()
-    t["report"] = torch.frombuffer(bytearray(json.dumps(ctx.report).encode()), dtype=torch.uint8)
+        small[f"stats.{li}.counts"] = s.counts
+        small[f"stats.{li}.mass"] = s.mass
+        small[f"stats.{li}.reap"] = s.reap
+    small["report"] = torch.frombuffer(bytearray(json.dumps(ctx.report).encode()), dtype=torch.uint8)
+    sources: dict[str, Callable[[], torch.Tensor]] = {
+        f"hidden.{i}": (lambda i=i: hidden[i]) for i in range(len(hidden))
+    }
+    sources.update({k: (lambda v=v: v) for k, v in small.items()})
+    shapes = {f"hidden.{i}": hidden.shape(i) for i in range(len(hidden))}
+    shapes.update({k: (v.dtype, tuple(v.shape)) for k, v in small.items()})
     tmp = f"{path}.partial"
-    save_file(t, tmp)
+    write_safetensors(tmp, shapes, sources)
     os.replace(tmp, path)
 
 
@@ -1168,7 +1286,11 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             )
         if routed is not None:
             routed.mode = "collect" if collect else "zero"
-            routed.collected = []
+            routed.collected = (
+                _Collected(sum(c.numel() for c in chunks), ctx.cfg.hidden_size, ctx.dtype, ctx.device)
+                if collect
+                else None
+            )
         gate_hook = None
         if collect and routed is not None and stats is not None and not stats_done:
             gate_mod = getattr(layer, moe_attr).gate
@@ -1214,7 +1336,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
         if collect and routed is not None:
             with PHASES("experts: gather + forward"):
                 routed_rows = _solve_experts(ctx, routed, u, None if stats_done else stats, fam, hblock, bar)
-            routed.collected = []
+            routed.collected = None
 
     # Final pass: the next layer's inputs (routed output replayed when computed expert-major).
     mode = "run"
@@ -1224,6 +1346,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             routed.replay_rows = routed_rows
             routed.replay_at = 0
         else:
+            # REAP is recorded once: by the statistics pass or the experts' output pass.
             routed.stats = stats if routed_rows is None and not stats_done else None
     _final_pass(ctx, layer, routed, hidden, chunks, rotary, li, mode, cache)
     cache.drop()
@@ -1365,6 +1488,15 @@ def _expert_chunk(device: torch.device, d: int, inter: int) -> int:
     return int(max(1, min(64, 0.5 * free // per)))
 
 
+GATHER_ROWS = 65536
+"""Routed-token rows gathered at a time for an expert's Hessians (a fixed count, so results do
+not depend on free memory)."""
+
+OUTPUT_WINDOW = 65536
+"""Tokens whose routed output is accumulated at a time (fp32, ``OUTPUT_WINDOW x hidden``) after
+the experts are solved; fixed for the same reason."""
+
+
 def _solve_group(items: list[dict], key: str, opts: dict) -> None:
     """Solves ``item[key + "_w"]`` with ``item[key + "_h"]`` for every item, GPTQ ones batched."""
     gptq = [it for it in items if it[key + "_h"] is not None]
@@ -1387,23 +1519,26 @@ def _solve_group(items: list[dict], key: str, opts: dict) -> None:
 def _solve_experts(
     ctx: _Ctx, routed: _RoutedExperts, u: dict, stats: _Stats | None, fam: _Experts, hblock, bar
 ) -> torch.Tensor:
-    """GPTQ of every routed expert over exactly its routed tokens, in batches of experts;
-    returns the layer's routed output (router weight times expert output, summed) for all
-    calibration tokens. Packing and writing run on a worker thread, overlapping the GPU."""
+    """GPTQ of every routed expert over exactly its routed tokens, in batches of experts; then
+    the layer's routed output (router weight times expert output, summed in fp32) for every
+    calibration token, written over the collected inputs and returned. Memory beyond the
+    collected inputs is bounded: rows are gathered ``GATHER_ROWS`` at a time, the output is
+    accumulated ``OUTPUT_WINDOW`` tokens at a time. Packing and writing run on a worker thread,
+    overlapping the GPU."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tqdm.auto import tqdm
 
-    opts, li = ctx.opts, u["layer"]
-    xs = torch.cat([c[0] for c in routed.collected])
-    idx = torch.cat([c[1] for c in routed.collected])
-    wts = torch.cat([c[2] for c in routed.collected]).float()
-    routed.collected = []
+    opts, li, dev = ctx.opts, u["layer"], ctx.device
+    col = routed.collected
+    assert col is not None
+    xs = col.x
+    idx = torch.cat(col.ids)
+    wts = torch.cat(col.weights).float().reshape(-1)
     t, k = idx.shape
     d = xs.shape[1]
-    out = torch.zeros(t, d, dtype=torch.float32, device=xs.device)
     flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)  # pairs by expert, tokens ascending within one
     counts = torch.bincount(flat, minlength=routed.n_experts)[: routed.n_experts].tolist()
     starts = [0]
     for c in counts:
@@ -1413,21 +1548,30 @@ def _solve_experts(
     inter = routed.w[0][0].shape[0]
     planned = {lin["module"] for lin in u["linears"]}
     pooled: dict[str, torch.Tensor] = {}
-    ref = xs[: max(4 * thr, 1024)]
+
+    def gathered(sel: torch.Tensor):
+        """The inputs of pairs ``sel``, ``GATHER_ROWS`` at a time."""
+        for r0 in range(0, sel.numel(), GATHER_ROWS):
+            yield col.rows(sel[r0 : r0 + GATHER_ROWS] // k, dev)
+
+    def hess(parts, dim: int) -> torch.Tensor:
+        hh = _Hessian(dim, dev, hblock)
+        for x in parts:
+            hh.add(x)
+        return hh.full() / max(hh.tokens, 1)
 
     def pooled_gu() -> torch.Tensor:
         if "gu" not in pooled:
-            hp = _Hessian(d, ctx.device, hblock)
-            hp.add(xs)
-            pooled["gu"] = hp.full() / max(hp.tokens, 1)
+            pooled["gu"] = hess(gathered(torch.arange(t, device=dev) * k), d)
         return pooled["gu"]
 
-    def hess(x: torch.Tensor, dim: int) -> torch.Tensor:
-        hh = _Hessian(dim, ctx.device, hblock)
-        hh.add(x)
-        return hh.full() / max(hh.tokens, 1)
+    def ref() -> torch.Tensor:
+        return col.rows(torch.arange(min(t, max(4 * thr, 1024)), device=dev), dev)
 
-    chunk = _expert_chunk(ctx.device, d, inter)
+    def act(x: torch.Tensor, gq: torch.Tensor, uq: torch.Tensor) -> torch.Tensor:
+        return routed.act(F.linear(x, gq)) * F.linear(x, uq)
+
+    chunk = _expert_chunk(dev, d, inter)
     pbar = tqdm(total=routed.n_experts, desc=f"layer {li} experts", leave=False, disable=not opts["progress"])
     writes = []
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -1435,8 +1579,7 @@ def _solve_experts(
             items = []
             for e in range(c0, min(routed.n_experts, c0 + chunk)):
                 sel = order[starts[e] : starts[e + 1]]
-                it = {"e": e, "sel": sel, "tok": sel // k, "n": int(sel.numel())}
-                it["x"] = xs[it["tok"]]
+                it = {"e": e, "sel": sel, "n": int(sel.numel())}
                 it["fallback"] = opts["few_tokens"] if it["n"] < thr else None
                 g, up, _ = routed.w[e]
                 it["gu_w"] = torch.cat([g, up])
@@ -1445,7 +1588,7 @@ def _solve_experts(
                 elif it["fallback"] == "rtn":
                     it["gu_h"] = None
                 else:
-                    it["gu_h"] = hess(it["x"], d)
+                    it["gu_h"] = hess(gathered(sel), d)
                 base = f"{routed.ckpt_prefix}{e}."
                 if it["gu_h"] is not None:
                     _tap("hessian", module=f"{base}{fam.gate}+{fam.up}", hessian=it["gu_h"], tokens=it["n"])
@@ -1457,14 +1600,13 @@ def _solve_experts(
                 gq, uq = it["gu"].deq.to(g.device, g.dtype).split(inter)
                 routed.w[e][0], routed.w[e][1] = gq, uq
                 it.pop("gu_h")
-                it["a"] = routed.act(F.linear(it["x"], gq)) * F.linear(it["x"], uq)
                 it["d_w"] = routed.w[e][2]
                 if it["fallback"] == "pooled":
-                    it["d_h"] = hess(routed.act(F.linear(ref, gq)) * F.linear(ref, uq), inter)
+                    it["d_h"] = hess([act(ref(), gq, uq)], inter)
                 elif it["fallback"] == "rtn":
                     it["d_h"] = None
                 else:
-                    it["d_h"] = hess(it["a"], inter)
+                    it["d_h"] = hess((act(x, gq, uq) for x in gathered(it["sel"])), inter)
                 if it["d_h"] is not None:
                     base = f"{routed.ckpt_prefix}{e}."
                     _tap("hessian", module=f"{base}{fam.down}", hessian=it["d_h"], tokens=it["n"])
@@ -1472,8 +1614,7 @@ def _solve_experts(
             for it in items:
                 e, s_gu, s_d = it["e"], it["gu"], it["d"]
                 dn = routed.w[e][2]
-                dq = s_d.deq.to(dn.device, dn.dtype)
-                routed.w[e][2] = dq
+                routed.w[e][2] = s_d.deq.to(dn.device, dn.dtype)
                 base = f"{routed.ckpt_prefix}{e}."
                 for leaf, codes, qmeta in (
                     (fam.gate, s_gu.codes[:, :inter], s_gu.qmeta[:inter]),
@@ -1486,19 +1627,55 @@ def _solve_experts(
                         writes.append(pool.submit(ctx.sess.write_linear, base + leaf, c_host, q_host))
                 for leaf, s in ((f"{fam.gate}+{fam.up}", s_gu), (fam.down, s_d)):
                     ctx.report.append({"layer": li, "module": base + leaf, "expert": e, **s.info})
-                if it["n"]:
-                    y = F.linear(it["a"], dq).float()
-                    wt = wts.reshape(-1)[it["sel"]]
-                    if stats is not None:
-                        stats.add_reap(e, wt * y.norm(dim=-1))
-                    out.index_put_((it["tok"],), y * wt[:, None], accumulate=True)
             pbar.update(len(items))
             del items
+        _routed_output(routed, col, order, counts, k, wts, stats)
         with PHASES("pack+write (waiting)"):
             for f in writes:
                 f.result()
     pbar.close()
-    return out.to(xs.dtype)
+    return xs
+
+
+def _routed_output(
+    routed: _RoutedExperts,
+    col: _Collected,
+    order: torch.Tensor,
+    counts: list[int],
+    k: int,
+    wts: torch.Tensor,
+    stats: _Stats | None,
+) -> None:
+    """The quantized experts' routed output over every collected token, ``OUTPUT_WINDOW``
+    tokens at a time (expert-major within a window, fp32 sums), written over the collected
+    inputs of that window once all its experts are done; REAP sums into ``stats``."""
+    xs, dev = col.x, order.device
+    t, n = xs.shape[0], len(counts)
+    order = order[: sum(counts)]  # pairs of pruned experts (id n, remap layout) sort last
+    # pair keys expert * t + token, ascending along ``order``: window bounds by searchsorted
+    expert_of = torch.repeat_interleave(torch.arange(n, device=dev), torch.tensor(counts, device=dev))
+    key = expert_of * t + order // k
+    base = torch.arange(n, device=dev) * t
+    reap = torch.zeros(n, dtype=torch.float64, device=dev)
+    for w0 in range(0, t, OUTPUT_WINDOW):
+        w1 = min(t, w0 + OUTPUT_WINDOW)
+        lo = torch.searchsorted(key, base + w0).tolist()
+        hi = torch.searchsorted(key, base + w1).tolist()
+        acc = torch.zeros(w1 - w0, xs.shape[1], dtype=torch.float32, device=dev)
+        for e in range(n):
+            if hi[e] == lo[e]:
+                continue
+            sel = order[lo[e] : hi[e]]
+            tok = sel // k
+            _, y = routed.expert_out(e, col.rows(tok, dev))
+            y = y.float()
+            wt = wts[sel]
+            if stats is not None:
+                reap[e] += (wt * y.norm(dim=-1)).double().sum()
+            acc.index_put_((tok - w0,), y * wt[:, None], accumulate=True)
+        xs[w0:w1].copy_(acc)
+    if stats is not None:
+        stats.reap += reap.cpu()
 
 
 # --------------------------------------------------------------------------------------

@@ -18,7 +18,9 @@
 //!
 //! A unit is recorded only after its bytes are fsynced; the caller's state
 //! file (the calibration activations entering the next layer) is recorded
-//! with it, so a resumed run restarts exactly where the last commit left off.
+//! with it. The caller may skip the state at some layers (it can be tens of
+//! GB): a resumed run restarts from the last layer that has one and redoes the
+//! layers after it.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
@@ -249,19 +251,18 @@ impl Session {
                 }
             }
         }
-        // The caller's state is usable only if it belongs to the last finished layer.
-        let last_layer = plan
-            .units
-            .iter()
-            .rfind(|u| u.layer.is_some() && done.contains(&u.key))
-            .map(|u| u.key.clone());
+        // The caller's state is usable only if it belongs to a layer of the finished
+        // prefix; the layers after it are redone from its activations (the caller may
+        // save them only every few layers), all of them when there is no state.
         let state = state.filter(|(key, file)| {
-            Some(key) == last_layer.as_ref() && out_dir.join(STATE_DIR).join(file).is_file()
+            done.contains(key) && out_dir.join(STATE_DIR).join(file).is_file()
         });
-        if opts.uses_calibration() && state.is_none() && last_layer.is_some() {
-            // Without the activations entering the next layer, the layers must be redone.
-            for u in &plan.units {
-                if u.layer.is_some() && done.remove(&u.key) {
+        if opts.uses_calibration() {
+            let upto = state
+                .as_ref()
+                .and_then(|(key, _)| plan.units.iter().position(|u| &u.key == key));
+            for (pos, u) in plan.units.iter().enumerate() {
+                if u.layer.is_some() && upto.is_none_or(|p| pos > p) && done.remove(&u.key) {
                     resumed -= 1;
                     resumed_bytes -= u.bytes_in;
                 }
@@ -649,7 +650,8 @@ impl Session {
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_default();
             self.state = Some((u.key.clone(), name));
-        } else if u.layer.is_none() {
+        } else {
+            // An earlier layer's state stays the resume point.
             self.state = previous.clone();
         }
         self.done.insert(u.key.clone());
