@@ -222,7 +222,10 @@ def main() -> int:
         print(f"\n{nsamples * seqlen} tokens: {'phase':32s} {'seconds':>9s}")
         for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
             print(f"{'':14s}{k:32s} {v:9.2f}")
-        print(f"peak GPU memory {peak:.1f} GiB")
+        outside = (
+            row["layer_s"] - sum(v for k, v in phases.items() if k != "total") if row["layer_s"] else 0.0
+        )
+        print(f"peak GPU memory {peak:.1f} GiB; layer time outside the phases {outside:.2f} s")
     # Projection to 512 x 4096 calibration tokens. Upper bound: phases that scale with the
     # tokens (forward, Hessians, expert gather + forward) proportionally from the largest run,
     # the solves and I/O as they are (they depend on the weights only); proportional scaling
@@ -255,6 +258,13 @@ def main() -> int:
             f"token phases linear through the {r1['tokens']}- and {r2['tokens']}-token runs, "
             "solves and I/O as measured"
         )
+    # The one-layer model never saves a resume state (none after the last layer); a whole run
+    # spends at most STATE_BUDGET of its time on them.
+    from forge.calibrate import STATE_BUDGET
+
+    proj_phases["save state (at most, amortized)"] = (
+        sum(proj_phases.values()) * STATE_BUDGET / (1 - STATE_BUDGET)
+    )
     per_layer = sum(proj_phases.values())
     proj = {
         "row": "projection: DeepSeek-V3 (58 MoE + 3 dense layers), 512 x 4096 tokens",

@@ -423,8 +423,14 @@ class _Store:
         if self.where == "gpu":
             self.items[i] = t.to(self.device)
         elif self.where == "cpu":
-            c = t.detach().to("cpu")
-            self.items[i] = c.pin_memory() if t.is_cuda else c
+            if t.is_cuda:
+                # straight into page-locked memory, reusing the chunk's buffer when it fits
+                old = self.items[i]
+                if not (isinstance(old, torch.Tensor) and old.shape == t.shape and old.dtype == t.dtype):
+                    old = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                self.items[i] = old.copy_(t.detach())
+            else:
+                self.items[i] = t.detach().to("cpu")
         else:
             assert self.folder is not None
             p = self.folder / f"act-{id(self)}-{i}.pt"
@@ -665,11 +671,11 @@ class _RoutedExperts(torch.nn.Module):
 
 class _Collected:
     """Every calibration token's input to the routed experts, in one buffer allocated up front
-    (on the compute device when it takes at most half of the memory left, else in pinned host
+    (on the compute device when it takes at most 60 % of the memory left, else in pinned host
     memory), with its expert ids and router weights. After the experts are solved the buffer
     holds the layer's routed output instead, computed in place window by window."""
 
-    DEVICE_SHARE = 0.5  # of the memory left on the compute device
+    DEVICE_SHARE = 0.6  # of the memory left on the compute device
 
     def __init__(self, tokens: int, d: int, dtype: torch.dtype, device: torch.device):
         nbytes = tokens * d * torch.empty(0, dtype=dtype).element_size()
@@ -1142,22 +1148,24 @@ class _AttnCache:
     """The attention half's output (the residual entering ``post_attention_layernorm``) per
     calibration chunk, once every attention linear of the layer is final: the later stages
     and the final pass then run only ``h + mlp(norm(h))`` instead of the whole layer (for a
-    DeepSeek-V3 MoE layer, two attention passes instead of four). Kept on the compute device,
-    only when the activations are kept there too and the copy fits; otherwise the layer is
-    simply rerun."""
+    DeepSeek-V3 MoE layer, two attention passes instead of four). Kept where the activations
+    are (on the GPU or in host memory, not on disk) when the copy fits there; otherwise the
+    layer is simply rerun."""
 
     def __init__(self, layer, hidden: _Store):
         self.store: _Store | None = None
         self.filled = False
         dev = hidden.device
-        on_device = "gpu" if dev.type == "cuda" else "cpu"
-        if type(layer).__name__ not in _MLP_TAIL_LAYERS or hidden.where != on_device:
+        if type(layer).__name__ not in _MLP_TAIL_LAYERS or hidden.where == "disk":
             return
-        nbytes = sum(t.numel() * t.element_size() for t in hidden.items)
-        room = _gpu_room(dev) if dev.type == "cuda" else _host_room()
-        if 4 * nbytes < 0.5 * room:
+        nbytes = sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for dt, shape in hidden.meta)
+        if hidden.where == "gpu" and dev.type == "cuda":
+            fits = 4 * nbytes < 0.5 * _gpu_room(dev)
+        else:
+            fits = nbytes < 0.5 * _host_room()
+        if fits:
             self.norm, self.mlp = layer.post_attention_layernorm, layer.mlp
-            self.store = _Store(on_device, dev, None)
+            self.store = _Store(hidden.where, dev, None)
 
     def start(self) -> bool:
         """Starts recording (one stage's forwards, chunk by chunk, once the attention is
@@ -1371,7 +1379,8 @@ def _forward_chunks(
                     f"layer {li}: the forward produced NaN or Inf (calibration chunk {ci})"
                 )
             if store:
-                hidden[ci] = out
+                with PHASES("store activations"):
+                    hidden[ci] = out
 
 
 def _final_pass(
