@@ -495,3 +495,20 @@ def test_gptq_run_writes_every_format(fmt, src, ids_file, tmp_path):
         a = forge.load_quantized(tmp_path / "awq", dtype=torch.float32)[0](tokens).logits
         b = forge.load_quantized(tmp_path / fmt, dtype=torch.float32)[0](tokens).logits
     _close(b, a, rel=1e-5)
+
+
+def test_prefetch_reads_ahead_without_changing_a_byte(src, ids_file, tmp_path):
+    """``Session.prefetch`` (the next unit's read-ahead) leaves the mapped bytes as they were
+    and refuses a unit index outside the plan with a clear error."""
+    from forge import _native
+
+    opts = json.dumps(_opts(str(ids_file), device="cpu"))
+    sess = _native.Session(str(src), str(tmp_path / "o"), opts)
+    units = sess.units()
+    before = {t["name"]: bytes(sess.tensor(t["name"])) for u in units for t in u["tensors"]}
+    for u in units:
+        sess.prefetch(u["index"])
+    after = {n: bytes(sess.tensor(n)) for n in before}
+    assert after == before
+    with pytest.raises(Exception, match=str(len(units))):
+        sess.prefetch(len(units))

@@ -970,11 +970,15 @@ def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     processed = 0
     last_layer = max((u["index"] for u in layer_units if not u["mtp"]), default=-1)
     saving = _StatePolicy()
+    todo = [u["index"] for u in units if not u["done"]]
+    following = dict(zip(todo, todo[1:], strict=False))
     for u in units:
         if u["done"]:
             bar.update(1)
             continue
         t0 = time.perf_counter()
+        if u["index"] in following:  # the next unit's bytes are read while this one computes
+            sess.prefetch(following[u["index"]])
         state_path = None
         if u["layer"] is None:
             with PHASES("write unquantized"):
@@ -1681,7 +1685,8 @@ def _routed_output(
             wt = wts[sel]
             if stats is not None:
                 reap[e] += (wt * y.norm(dim=-1)).double().sum()
-            acc.index_put_((tok - w0,), y * wt[:, None], accumulate=True)
+            # an expert sees a token once: the rows are distinct, so the adds are deterministic
+            acc.index_add_(0, tok - w0, y.mul_(wt[:, None]))
         xs[w0:w1].copy_(acc)
     if stats is not None:
         stats.reap += reap.cpu()

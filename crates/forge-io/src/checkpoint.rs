@@ -281,6 +281,26 @@ impl Checkpoint {
         }
     }
 
+    /// Asks the kernel to read the named tensors' pages ahead (`MADV_WILLNEED`), so that a
+    /// layer's bytes come from the page cache by the time it is processed. It may block while
+    /// the reads are queued: call it off the critical path (see `Session::prefetch`). Unknown
+    /// names are ignored; so is a failing `madvise` (it is only a hint).
+    pub fn prefetch<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        for name in names {
+            let Some(&i) = self.by_name.get(name) else {
+                continue;
+            };
+            let s = &self.slots[i];
+            if !s.range.is_empty() {
+                let _ = self.shards[s.shard].mmap.advise_range(
+                    memmap2::Advice::WillNeed,
+                    s.range.start,
+                    s.range.len(),
+                );
+            }
+        }
+    }
+
     fn view(&self, i: usize) -> TensorView<'_> {
         let s = &self.slots[i];
         let shard = &self.shards[s.shard];

@@ -415,6 +415,11 @@ impl Session {
         Ok(self.get(py)?.checkpoint().get(name).is_some())
     }
 
+    /// Reads unit `index`'s source tensors ahead in the background (a page-cache hint).
+    fn prefetch(&self, py: Python<'_>, index: usize) -> PyResult<()> {
+        self.get(py)?.prefetch(index).map_err(|e| run_err(py, e))
+    }
+
     /// A zero-copy view of a source tensor's bytes (see `MappedTensor`).
     fn tensor(&self, py: Python<'_>, name: &str) -> PyResult<MappedTensor> {
         let s = self.get(py)?;

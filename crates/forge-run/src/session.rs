@@ -406,6 +406,23 @@ impl Session {
         Ok(dir.join(format!("{}.safetensors", u.key)))
     }
 
+    /// Reads unit `i`'s source tensors ahead on a background thread (a hint to the kernel,
+    /// see [`Checkpoint::prefetch`]), so that a cold read overlaps the current unit's work.
+    pub fn prefetch(&self, i: usize) -> Result<()> {
+        let names: Vec<String> = self
+            .unit(i)?
+            .tensors
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect();
+        let ckpt = Arc::clone(&self.ckpt);
+        std::thread::Builder::new()
+            .name("forge-prefetch".into())
+            .spawn(move || ckpt.prefetch(names.iter().map(String::as_str)))
+            .map_err(Error::io("start the read-ahead thread", &self.out_dir))?;
+        Ok(())
+    }
+
     /// Unit `i`.
     pub fn unit(&self, i: usize) -> Result<&Unit> {
         self.plan.units.get(i).ok_or_else(|| {
