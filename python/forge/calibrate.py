@@ -502,15 +502,27 @@ def _host_room() -> int:
         return 1 << 62
 
 
-def _where(opts: dict, device: torch.device, nbytes: int) -> str:
+_SOLVE_RESERVE = 0.15
+"""Share of the GPU's memory kept free of activations for the expert solves."""
+
+
+def _gpu_total(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def _where(opts: dict, device: torch.device, nbytes: int, layer_bytes: int) -> str:
+    """Where the activations (``nbytes``) live: on the GPU when it holds them three times
+    (the chunks, the attention cache, the collected expert inputs) beside the largest layer
+    in the compute dtype (at most twice its source bytes, FP8 to bf16) and the solves'
+    reserve; else in host memory when it holds them twice (the chunks, and the expert inputs
+    when the GPU cannot); else on disk."""
     want = opts["activations"]
     if want != "auto":
         return want
-    # On the GPU: the chunks, the attention cache and the collected expert inputs (3x) with
-    # room to spare. In host memory: the chunks and, when the GPU cannot hold them, the
-    # collected expert inputs (2x).
-    if device.type == "cuda" and 4 * nbytes < 0.5 * _gpu_room(device):
-        return "gpu"
+    if device.type == "cuda":
+        need = 3 * nbytes + 2 * layer_bytes + _SOLVE_RESERVE * _gpu_total(device)
+        if need <= _gpu_room(device):
+            return "gpu"
     return "cpu" if 2 * nbytes < 0.8 * _host_room() else "disk"
 
 
@@ -941,7 +953,7 @@ def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     per = max(1, opts["chunk_tokens"] // opts["seqlen"])
     chunks = [ids[i : i + per] for i in range(0, len(ids), per)]
     hidden_bytes = ids.numel() * cfg.hidden_size * (2 if dtype == torch.bfloat16 else 4)
-    where = _where(opts, device, hidden_bytes)
+    where = _where(opts, device, hidden_bytes, max((u["bytes_in"] for u in layer_units), default=0))
     off = Path(opts["offload_dir"]) if opts["offload_dir"] else Path(out_dir) / "forge-state" / "activations"
     notes = [f"calibration: {ids.shape[0]} windows x {ids.shape[1]} tokens, activations on {where}"]
 
@@ -1152,24 +1164,27 @@ class _AttnCache:
     """The attention half's output (the residual entering ``post_attention_layernorm``) per
     calibration chunk, once every attention linear of the layer is final: the later stages
     and the final pass then run only ``h + mlp(norm(h))`` instead of the whole layer (for a
-    DeepSeek-V3 MoE layer, two attention passes instead of four). Kept where the activations
-    are (on the GPU or in host memory, not on disk) when the copy fits there; otherwise the
-    layer is simply rerun."""
+    DeepSeek-V3 MoE layer, two attention passes instead of four). Kept on the compute
+    device, only when the activations are kept there too and the copy fits beside the
+    collected expert inputs and the solves' reserve (``_SOLVE_RESERVE``); otherwise the layer
+    is simply rerun (a copy in host memory costs more in page-locked allocations and
+    transfers than the attention it saves)."""
 
     def __init__(self, layer, hidden: _Store):
         self.store: _Store | None = None
         self.filled = False
         dev = hidden.device
-        if type(layer).__name__ not in _MLP_TAIL_LAYERS or hidden.where == "disk":
+        on_device = "gpu" if dev.type == "cuda" else "cpu"
+        if type(layer).__name__ not in _MLP_TAIL_LAYERS or hidden.where != on_device:
             return
         nbytes = sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for dt, shape in hidden.meta)
-        if hidden.where == "gpu" and dev.type == "cuda":
-            fits = 4 * nbytes < 0.5 * _gpu_room(dev)
+        if dev.type == "cuda":
+            fits = 2 * nbytes + _SOLVE_RESERVE * _gpu_total(dev) <= _gpu_room(dev)
         else:
-            fits = nbytes < 0.5 * _host_room()
+            fits = 4 * nbytes < 0.5 * _host_room()
         if fits:
             self.norm, self.mlp = layer.post_attention_layernorm, layer.mlp
-            self.store = _Store(hidden.where, dev, None)
+            self.store = _Store(on_device, dev, None)
 
     def start(self) -> bool:
         """Starts recording (one stage's forwards, chunk by chunk, once the attention is
