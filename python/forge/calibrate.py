@@ -984,50 +984,56 @@ def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     saving = _StatePolicy()
     todo = [u["index"] for u in units if not u["done"]]
     following = dict(zip(todo, todo[1:], strict=False))
-    for u in units:
-        if u["done"]:
+    commits = _Commits(sess)
+    try:
+        for u in units:
+            if u["done"]:
+                bar.update(1)
+                continue
+            t0 = time.perf_counter()
+            if u["index"] in following:  # the next unit's bytes are read while this one computes
+                sess.prefetch(following[u["index"]])
+            state_path = None
+            if u["layer"] is None:
+                with PHASES("write unquantized"):
+                    sess.write_unquantized(u["index"])
+                if len(hidden) == 0:
+                    if embed is None:
+                        raise CheckpointError(
+                            f"{model_dir}: no embed_tokens.weight among the non-layer tensors"
+                        )
+                    w = _load_weight(sess, embed, device, dtype, block)
+                    for c in chunks:
+                        hidden.append(F.embedding(c.to(device), w))
+                    del w
+            elif not u["mtp"]:
+                if len(hidden) == 0:
+                    raise CheckpointError("internal: no calibration hidden states before the first layer")
+                _process_layer(ctx, meta_layers, rotary, u, hidden, chunks, bar)
+                # After the layer: a pruned layer's experts are bound to their sources by now.
+                with PHASES("write unquantized"):
+                    sess.write_unquantized(u["index"])
+                if opts["method"] == "rtn":
+                    with PHASES("rtn"):
+                        sess.quantize_rtn(u["index"])
+                if u["index"] != last_layer and saving.due(hidden_bytes, time.perf_counter() - t0):
+                    state_path = sess.state_path(u["index"])
+                    t_save = time.perf_counter()
+                    with PHASES("save state"):
+                        _save_state(state_path, hidden, ctx)
+                    saving.saved(hidden_bytes, time.perf_counter() - t_save)
+            else:
+                with PHASES("write unquantized"):
+                    sess.write_unquantized(u["index"])
+            commits.submit(u["index"], os.fspath(state_path) if state_path else None)
+            ctx.layer_seconds[u["layer"] if u["layer"] is not None else -1] = time.perf_counter() - t0
             bar.update(1)
-            continue
-        t0 = time.perf_counter()
-        if u["index"] in following:  # the next unit's bytes are read while this one computes
-            sess.prefetch(following[u["index"]])
-        state_path = None
-        if u["layer"] is None:
-            with PHASES("write unquantized"):
-                sess.write_unquantized(u["index"])
-            if len(hidden) == 0:
-                if embed is None:
-                    raise CheckpointError(f"{model_dir}: no embed_tokens.weight among the non-layer tensors")
-                w = _load_weight(sess, embed, device, dtype, block)
-                for c in chunks:
-                    hidden.append(F.embedding(c.to(device), w))
-                del w
-        elif not u["mtp"]:
-            if len(hidden) == 0:
-                raise CheckpointError("internal: no calibration hidden states before the first layer")
-            _process_layer(ctx, meta_layers, rotary, u, hidden, chunks, bar)
-            # After the layer: a pruned layer's experts are bound to their sources by now.
-            with PHASES("write unquantized"):
-                sess.write_unquantized(u["index"])
-            if opts["method"] == "rtn":
-                with PHASES("rtn"):
-                    sess.quantize_rtn(u["index"])
-            if u["index"] != last_layer and saving.due(hidden_bytes, time.perf_counter() - t0):
-                state_path = sess.state_path(u["index"])
-                t_save = time.perf_counter()
-                with PHASES("save state"):
-                    _save_state(state_path, hidden, ctx)
-                saving.saved(hidden_bytes, time.perf_counter() - t_save)
-        else:
-            with PHASES("write unquantized"):
-                sess.write_unquantized(u["index"])
-        with PHASES("commit"):
-            sess.commit(u["index"], os.fspath(state_path) if state_path else None)
-        ctx.layer_seconds[u["layer"] if u["layer"] is not None else -1] = time.perf_counter() - t0
-        bar.update(1)
-        processed += 1
-        if abort_after and processed >= abort_after:
-            raise RuntimeError(f"test abort after {processed} units ({ABORT_ENV})")
+            processed += 1
+            if abort_after and processed >= abort_after:
+                raise RuntimeError(f"test abort after {processed} units ({ABORT_ENV})")
+        commits.flush()
+    finally:
+        commits.close()
     bar.close()
     hidden.drop()
     PHASES.seconds["total"] = time.perf_counter() - t_start
@@ -1095,6 +1101,40 @@ def _run_bound(sess, opts: dict, summary: dict, pruning: dict) -> dict:
     rep = sess.finish(extra)
     rep["notes"] = list(rep.get("notes", [])) + [f"experts chosen from {opts['router_stats']}"]
     return rep
+
+
+class _Commits:
+    """Commits finished units one unit late: unit i's shards and state are fsynced on a worker
+    thread (``Session.sync_unit``) while unit i+1 computes, and recorded (``commit``) when
+    unit i+1 is done, at the end, or when the run stops on an error."""
+
+    def __init__(self, sess):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.sess, self.pending = sess, None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forge-sync")
+
+    def submit(self, index: int, state: str | None) -> None:
+        self.flush()
+        self.pending = (index, state, self.pool.submit(self.sess.sync_unit, index, state))
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        index, state, synced = self.pending
+        self.pending = None
+        with PHASES("commit"):
+            synced.result()
+            self.sess.commit(index, state)
+
+    def close(self) -> None:
+        """Records the last finished unit even when the run is failing (its bytes are whole)."""
+        try:
+            self.flush()
+        except Exception as exc:  # the run's own error is the one to report
+            warnings.warn(f"could not record the last finished unit: {exc}", stacklevel=2)
+        finally:
+            self.pool.shutdown()
 
 
 STATE_BUDGET = 0.1

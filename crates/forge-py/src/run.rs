@@ -487,6 +487,15 @@ impl Session {
         Ok(self.get(py)?.resume_state())
     }
 
+    /// Makes unit `index` durable (its shards and `state` fsynced) without recording it; safe
+    /// to run on another thread while the next unit is worked on. `commit` then only records.
+    #[pyo3(signature = (index, state = None))]
+    fn sync_unit(&self, py: Python<'_>, index: usize, state: Option<PathBuf>) -> PyResult<()> {
+        let s = self.get(py)?;
+        crate::errors::detach_guarded(py, "sync_unit", || s.sync_unit(index, state.as_deref()))?
+            .map_err(|e| run_err(py, e))
+    }
+
     /// Marks unit `index` finished (every output written), recording `state` with it.
     #[pyo3(signature = (index, state = None))]
     fn commit(&mut self, py: Python<'_>, index: usize, state: Option<PathBuf>) -> PyResult<()> {

@@ -73,6 +73,8 @@ pub struct Session {
     notes: Vec<String>,
     resumed: usize,
     resumed_bytes: u64,
+    /// Units whose bytes (and state file) [`Session::sync_unit`] has made durable.
+    synced: std::sync::Mutex<HashMap<usize, Option<PathBuf>>>,
     t0: Instant,
     _lock: OutDirLock,
 }
@@ -312,6 +314,7 @@ impl Session {
             prune,
             resumed,
             resumed_bytes,
+            synced: Default::default(),
             t0,
             _lock: lock,
         };
@@ -633,6 +636,46 @@ impl Session {
     /// released.
     pub fn commit(&mut self, i: usize, state: Option<&Path>) -> Result<()> {
         let u = self.unit(i)?.clone();
+        let synced = self
+            .synced
+            .get_mut()
+            .is_ok_and(|m| m.get(&i).is_some_and(|s| s.as_deref() == state));
+        if !synced {
+            self.sync_unit(i, state)?;
+        }
+        if let Ok(m) = self.synced.get_mut() {
+            m.remove(&i);
+        }
+        let previous = self.state.take();
+        if let Some(p) = state {
+            let name = p
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            self.state = Some((u.key.clone(), name));
+        } else {
+            // An earlier layer's state stays the resume point.
+            self.state = previous.clone();
+        }
+        self.done.insert(u.key.clone());
+        self.save_manifest()?;
+        if let Some((_, old)) = previous {
+            if self.state.as_ref().map(|s| &s.1) != Some(&old) {
+                let _ = std::fs::remove_file(self.out_dir.join(STATE_DIR).join(old));
+            }
+        }
+        self.ckpt
+            .release(u.tensors.iter().map(|(name, _)| name.as_str()));
+        Ok(())
+    }
+
+    /// Makes unit `i` durable without recording it: checks that every planned output was
+    /// written, then fsyncs its shards and `state`. Takes `&self`, so the caller can run it
+    /// on another thread while it works on the next unit; [`Session::commit`] then only
+    /// records the unit (the fsyncs are not repeated, and bytes the next unit wrote into a
+    /// shared shard meanwhile are not waited for).
+    pub fn sync_unit(&self, i: usize, state: Option<&Path>) -> Result<()> {
+        let u = self.unit(i)?;
         let missing: Vec<&str> = u
             .outputs
             .iter()
@@ -657,29 +700,14 @@ impl Session {
         for f in files {
             self.w()?.sync(f)?;
         }
-        let previous = self.state.take();
         if let Some(p) = state {
             File::open(p)
                 .and_then(|h| h.sync_all())
                 .map_err(Error::io("fsync", p))?;
-            let name = p
-                .file_name()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            self.state = Some((u.key.clone(), name));
-        } else {
-            // An earlier layer's state stays the resume point.
-            self.state = previous.clone();
         }
-        self.done.insert(u.key.clone());
-        self.save_manifest()?;
-        if let Some((_, old)) = previous {
-            if self.state.as_ref().map(|s| &s.1) != Some(&old) {
-                let _ = std::fs::remove_file(self.out_dir.join(STATE_DIR).join(old));
-            }
+        if let Ok(mut m) = self.synced.lock() {
+            m.insert(i, state.map(Path::to_path_buf));
         }
-        self.ckpt
-            .release(u.tensors.iter().map(|(name, _)| name.as_str()));
         Ok(())
     }
 
