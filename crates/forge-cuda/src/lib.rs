@@ -121,20 +121,24 @@ mod tests {
             r,
             Err(CudaError::InvalidArgument { name: "x", .. })
         ));
-        let r = unsafe {
-            ops::awq_quantize_pack(
-                256,
-                DType::F16,
-                12,
-                128,
-                256,
-                &spec,
-                256,
-                256,
-                256,
-                Stream::default(),
-            )
+        // N not a multiple of 8.
+        let a = ops::QuantizePack {
+            w: 256,
+            dtype: DType::F16,
+            n: 12,
+            k: 128,
+            qmeta: 256,
+            spec,
         };
-        assert!(matches!(r, Err(CudaError::InvalidArgument { .. })));
+        let out = ops::PackedOut {
+            qweight: 256,
+            qzeros: 256,
+            scales: 256,
+        };
+        let r = unsafe { ops::awq_quantize_pack(&a, &out, Stream::default()) };
+        assert!(matches!(
+            r,
+            Err(CudaError::InvalidArgument { name: "n", .. })
+        ));
     }
 }

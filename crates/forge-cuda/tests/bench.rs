@@ -189,19 +189,21 @@ fn bench_all() {
     let qw = DeviceBuf::zeroed(0, k * n / 2).unwrap();
     let qz = DeviceBuf::zeroed(0, k / 128 * n / 2).unwrap();
     let sc = DeviceBuf::zeroed(0, k / 128 * n * 2).unwrap();
+    let a = ops::QuantizePack {
+        w: w.ptr(),
+        dtype: DType::Bf16,
+        n,
+        k,
+        qmeta: qm.ptr(),
+        spec,
+    };
+    let out = ops::PackedOut {
+        qweight: qw.ptr(),
+        qzeros: qz.ptr(),
+        scales: sc.ptr(),
+    };
     let ms = time_ms(0, 0, 3, 20, || unsafe {
-        ops::awq_quantize_pack(
-            w.ptr(),
-            DType::Bf16,
-            n,
-            k,
-            qm.ptr(),
-            &spec,
-            qw.ptr(),
-            qz.ptr(),
-            sc.ptr(),
-            S,
-        )
+        ops::awq_quantize_pack(&a, &out, S)
     })
     .unwrap();
     let moved =

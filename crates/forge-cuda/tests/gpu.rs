@@ -198,21 +198,20 @@ fn qpack_case<T: Host>(n: usize, k: usize, spec: &GridSpec, seed: u64) {
     let qw = DeviceBuf::zeroed(0, k * n / 8 * 4).unwrap();
     let qz = DeviceBuf::zeroed(0, ng * n / 8 * 4).unwrap();
     let sc = DeviceBuf::zeroed(0, ng * n * 2).unwrap();
-    unsafe {
-        ops::awq_quantize_pack(
-            dw.ptr(),
-            T::DT,
-            n,
-            k,
-            dm.ptr(),
-            spec,
-            qw.ptr(),
-            qz.ptr(),
-            sc.ptr(),
-            S,
-        )
-    }
-    .unwrap();
+    let a = ops::QuantizePack {
+        w: dw.ptr(),
+        dtype: T::DT,
+        n,
+        k,
+        qmeta: dm.ptr(),
+        spec: *spec,
+    };
+    let out = ops::PackedOut {
+        qweight: qw.ptr(),
+        qzeros: qz.ptr(),
+        scales: sc.ptr(),
+    };
+    unsafe { ops::awq_quantize_pack(&a, &out, S) }.unwrap();
     synchronize(0).unwrap();
     assert_eq!(
         qw.download::<i32>().unwrap(),
@@ -287,20 +286,19 @@ fn pack_codes_bit_exact() {
         let qw = DeviceBuf::zeroed(0, k * n / 8 * 4).unwrap();
         let qz = DeviceBuf::zeroed(0, ng * n / 8 * 4).unwrap();
         let sc = DeviceBuf::zeroed(0, ng * n * 2).unwrap();
-        unsafe {
-            ops::awq_pack_codes(
-                dc.ptr(),
-                dm.ptr(),
-                k,
-                n,
-                &spec,
-                qw.ptr(),
-                qz.ptr(),
-                sc.ptr(),
-                S,
-            )
-        }
-        .unwrap();
+        let a = ops::PackCodes {
+            codes: dc.ptr(),
+            qmeta: dm.ptr(),
+            n,
+            k,
+            spec,
+        };
+        let out = ops::PackedOut {
+            qweight: qw.ptr(),
+            qzeros: qz.ptr(),
+            scales: sc.ptr(),
+        };
+        unsafe { ops::awq_pack_codes(&a, &out, S) }.unwrap();
         synchronize(0).unwrap();
         assert_eq!(qw.download::<i32>().unwrap(), cpu.qweight);
         assert_eq!(qz.download::<i32>().unwrap(), cpu.qzeros);
@@ -311,21 +309,7 @@ fn pack_codes_bit_exact() {
 
         let cpu = forge_core::pack::pack_gptq(&codes, &qmeta, k, n, &spec).unwrap();
         let flag = DeviceBuf::zeroed(0, 4).unwrap();
-        unsafe {
-            ops::gptq_pack_codes(
-                dc.ptr(),
-                dm.ptr(),
-                k,
-                n,
-                &spec,
-                qw.ptr(),
-                qz.ptr(),
-                sc.ptr(),
-                flag.ptr(),
-                S,
-            )
-        }
-        .unwrap();
+        unsafe { ops::gptq_pack_codes(&a, &out, flag.ptr(), S) }.unwrap();
         synchronize(0).unwrap();
         let qwv: Vec<i32> = qw.download().unwrap();
         assert_eq!(&qwv[..k / 8 * n], &cpu.qweight[..]);
