@@ -95,23 +95,21 @@ mod tests {
             symmetric: false,
         };
         // N not a multiple of 32: rejected whatever the machine.
-        let r = unsafe {
-            ops::w4a16_gemm_awq(
-                256,
-                DType::F16,
-                1,
-                128,
-                40,
-                128,
-                256,
-                256,
-                256,
-                256,
-                0,
-                0,
-                Stream::default(),
-            )
+        let gemm = ops::W4a16Gemm {
+            x: 256,
+            act: DType::F16,
+            m: 1,
+            n: 40,
+            k: 128,
+            group_size: 128,
+            qweight: 256,
+            qzeros: 256,
+            scales: 256,
+            y: 256,
+            workspace: 0,
+            workspace_bytes: 0,
         };
+        let r = unsafe { ops::w4a16_gemm_awq(&gemm, Stream::default()) };
         assert!(matches!(
             r,
             Err(CudaError::InvalidArgument { name: "n", .. })

@@ -7,10 +7,10 @@
 //! contiguous, with the dtypes documented per function.
 //!
 //! Launches of many arguments take them as a typed struct ([`QuantizePack`] or
-//! [`PackCodes`] with the [`PackedOut`] buffers, [`GroupedGemv`]) whose field docs give
-//! each pointer's layout and whose `validate()` checks sizes, divisibility and alignment,
-//! naming the argument at fault, before the driver is touched. A linear is `n` out
-//! features × `k` in features throughout.
+//! [`PackCodes`] with the [`PackedOut`] buffers, [`W4a16Gemm`], [`GroupedGemv`]) whose
+//! field docs give each pointer's layout and whose `validate()` checks sizes, divisibility
+//! and alignment, naming the argument at fault, before the driver is touched. A linear is
+//! `n` out features × `k` in features throughout.
 //!
 //! # Safety (all functions)
 //! Every pointer must point to device memory of `device` that holds at least the documented
@@ -807,61 +807,91 @@ pub fn w4a16_workspace_bytes(
     })
 }
 
-/// `y[M, N] = x[M, K] · dequant(W)ᵀ` reading the AWQ tensors directly: `x`, `y` of `act`
-/// (F16 or Bf16), `qweight i32[K, N/8]`, `qzeros i32[K/G, N/8]`, `scales f16[K/G, N]`;
-/// fp32 accumulation on tensor cores. Requires `K % G == 0`, `G % 32 == 0`, `N % 32 == 0`
-/// and 16-byte aligned `x`, `qweight`, `scales`. For bf16 activations the weights are
-/// dequantised as `(q − z)·bf16(scale)` rounded to bf16 (as vLLM does with bf16 scales).
+/// Arguments of [`w4a16_gemm_awq`]: `y = x · dequant(W)ᵀ` for a linear of `n` out features
+/// × `k` in features stored in the AWQ layout (as [`awq_quantize_pack`] writes it), on `m`
+/// rows of activations. All tensors row-major and contiguous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct W4a16Gemm {
+    /// Activations `[M, K]` of `act`, 16-byte aligned.
+    pub x: u64,
+    /// Activation (and output) dtype: F16 or Bf16.
+    pub act: DType,
+    /// Rows of `x` and `y` (tokens): positive.
+    pub m: usize,
+    /// Out features: a positive multiple of 32.
+    pub n: usize,
+    /// In features: a positive multiple of `group_size`.
+    pub k: usize,
+    /// AWQ group size `G`: a positive multiple of 32.
+    pub group_size: usize,
+    /// i32 `[K, N/8]` AWQ-packed codes (see [`PackedOut::qweight`]), 16-byte aligned.
+    pub qweight: u64,
+    /// i32 `[K/G, N/8]` AWQ-packed zero points, 4-byte aligned.
+    pub qzeros: u64,
+    /// f16 `[K/G, N]` group scales, 16-byte aligned.
+    pub scales: u64,
+    /// Output `[M, N]` of `act`, 2-byte aligned.
+    pub y: u64,
+    /// fp32 split-K scratch of [`w4a16_workspace_bytes`] bytes (16-byte aligned), or 0 to
+    /// allocate it stream-ordered on the launch's stream when K is split.
+    pub workspace: u64,
+    /// Bytes at `workspace`.
+    pub workspace_bytes: usize,
+}
+
+impl W4a16Gemm {
+    /// Checks dtype, sizes, divisibility and pointer alignment without touching the driver
+    /// (the workspace is checked against the shape's plan by the launch, when K is split).
+    pub fn validate(&self) -> Result<()> {
+        if !matches!(self.act, DType::F16 | DType::Bf16) {
+            return Err(CudaError::arg(
+                "act",
+                "F16 or Bf16",
+                format!("{:?}", self.act),
+            ));
+        }
+        check_nonzero("m", self.m)?;
+        let g = self.group_size;
+        if g == 0 || !g.is_multiple_of(32) {
+            return Err(CudaError::arg("group_size", "a positive multiple of 32", g));
+        }
+        if self.k == 0 || !self.k.is_multiple_of(g) {
+            return Err(CudaError::arg(
+                "k",
+                format!("a positive multiple of group_size {g}"),
+                self.k,
+            ));
+        }
+        if self.n == 0 || !self.n.is_multiple_of(32) {
+            return Err(CudaError::arg("n", "a positive multiple of 32", self.n));
+        }
+        to_i32("m", self.m)?;
+        to_i32("n", self.n)?;
+        to_i32("k", self.k)?;
+        check_align("x", self.x, 16)?;
+        check_align("qweight", self.qweight, 16)?;
+        check_align("qzeros", self.qzeros, 4)?;
+        check_align("scales", self.scales, 16)?;
+        check_align("y", self.y, 2)?;
+        Ok(())
+    }
+}
+
+/// `y[M, N] = x[M, K] · dequant(W)ᵀ` reading the AWQ tensors directly (see [`W4a16Gemm`]);
+/// fp32 accumulation on tensor cores. For bf16 activations the weights are dequantised as
+/// `(q − z)·bf16(scale)` rounded to bf16 (as vLLM does with bf16 scales). Every argument is
+/// checked by [`W4a16Gemm::validate`] before the driver is touched.
 ///
 /// When K is split (small M) an fp32 workspace of [`w4a16_workspace_bytes`] is needed: pass
 /// it (`workspace`, `workspace_bytes`), or 0 to allocate it stream-ordered on `s`.
 ///
 /// # Safety
 /// See the module documentation.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn w4a16_gemm_awq(
-    x: u64,
-    act: DType,
-    m: usize,
-    k: usize,
-    n: usize,
-    group_size: usize,
-    qweight: u64,
-    qzeros: u64,
-    scales: u64,
-    y: u64,
-    workspace: u64,
-    workspace_bytes: usize,
-    s: Stream,
-) -> Result<()> {
-    if !matches!(act, DType::F16 | DType::Bf16) {
-        return Err(CudaError::arg("act", "F16 or Bf16", format!("{act:?}")));
-    }
-    check_nonzero("m", m)?;
-    if group_size == 0 || !group_size.is_multiple_of(32) {
-        return Err(CudaError::arg(
-            "group_size",
-            "a positive multiple of 32",
-            group_size,
-        ));
-    }
-    if k == 0 || !k.is_multiple_of(group_size) {
-        return Err(CudaError::arg(
-            "k",
-            format!("a positive multiple of group_size {group_size}"),
-            k,
-        ));
-    }
-    if n == 0 || !n.is_multiple_of(32) {
-        return Err(CudaError::arg("n", "a positive multiple of 32", n));
-    }
-    check_align("x", x, 16)?;
-    check_align("qweight", qweight, 16)?;
-    check_align("qzeros", qzeros, 4)?;
-    check_align("scales", scales, 16)?;
-    check_align("y", y, 2)?;
+pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
+    a.validate()?;
+    let (m, n, k, group_size) = (a.m, a.n, a.k, a.group_size);
     let dev = dev_of(s)?;
-    let (plan, f, reduce) = plan_for(dev, act, m, n, k, group_size)?;
+    let (plan, f, reduce) = plan_for(dev, a.act, m, n, k, group_size)?;
     let (splits, k_chunk) = (plan.splits, plan.k_chunk);
     let block_x = plan.block_n;
     let threads = plan.threads as u32;
@@ -878,9 +908,9 @@ pub unsafe fn w4a16_gemm_awq(
         },
         k_chunk as i32,
     );
-    let (mut px, mut pqw, mut pqz, mut psc) = (x, qweight, qzeros, scales);
+    let (mut px, mut pqw, mut pqz, mut psc) = (a.x, a.qweight, a.qzeros, a.scales);
     if splits == 1 {
-        let (mut out, mut split_out) = (y, 0i32);
+        let (mut out, mut split_out) = (a.y, 0i32);
         let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
         // SAFETY: parameter list matches w4a16_awq_<dt>_m<MT>.
         return unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) };
@@ -898,8 +928,8 @@ pub unsafe fn w4a16_gemm_awq(
             reduce,
             splits,
             m * n,
-            y,
-            (workspace, workspace_bytes),
+            a.y,
+            (a.workspace, a.workspace_bytes),
             s,
             &mut launch_partials,
         )
@@ -1710,6 +1740,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    fn gemm_args() -> W4a16Gemm {
+        W4a16Gemm {
+            x: 256,
+            act: DType::F16,
+            m: 4,
+            n: 512,
+            k: 256,
+            group_size: 128,
+            qweight: 256,
+            qzeros: 256,
+            scales: 256,
+            y: 256,
+            workspace: 0,
+            workspace_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn gemm_args_are_validated_before_the_driver() {
+        let a = gemm_args();
+        assert!(a.validate().is_ok());
+        let bad = |b: W4a16Gemm| refused(b.validate());
+        assert_eq!(
+            bad(W4a16Gemm {
+                act: DType::F32,
+                ..a
+            }),
+            "act"
+        );
+        assert_eq!(bad(W4a16Gemm { m: 0, ..a }), "m");
+        assert_eq!(bad(W4a16Gemm { group_size: 0, ..a }), "group_size");
+        assert_eq!(
+            bad(W4a16Gemm {
+                group_size: 48,
+                ..a
+            }),
+            "group_size"
+        );
+        assert_eq!(bad(W4a16Gemm { k: 0, ..a }), "k");
+        assert_eq!(bad(W4a16Gemm { k: 320, ..a }), "k");
+        assert_eq!(bad(W4a16Gemm { n: 0, ..a }), "n");
+        assert_eq!(bad(W4a16Gemm { n: 40, ..a }), "n");
+        assert_eq!(bad(W4a16Gemm { m: 1 << 31, ..a }), "m");
+        assert_eq!(bad(W4a16Gemm { x: 0, ..a }), "x");
+        assert_eq!(bad(W4a16Gemm { x: 264, ..a }), "x");
+        assert_eq!(bad(W4a16Gemm { qweight: 264, ..a }), "qweight");
+        assert_eq!(bad(W4a16Gemm { qzeros: 258, ..a }), "qzeros");
+        assert_eq!(bad(W4a16Gemm { scales: 264, ..a }), "scales");
+        assert_eq!(bad(W4a16Gemm { y: 257, ..a }), "y");
+        // The launch itself rejects them too, whatever the machine.
+        let r = unsafe { w4a16_gemm_awq(&W4a16Gemm { k: 320, ..a }, Stream::default()) };
+        assert_eq!(refused(r), "k");
     }
 
     #[test]

@@ -52,24 +52,21 @@ fn bench_all() {
                 .collect();
             let x = DeviceBuf::from_slice(0, &xs).unwrap();
             let y = DeviceBuf::zeroed(0, m * n * 2).unwrap();
-            unsafe {
-                ops::w4a16_gemm_awq(
-                    x.ptr(),
-                    DType::F16,
-                    m,
-                    k,
-                    n,
-                    g,
-                    qw.ptr(),
-                    qz.ptr(),
-                    sc.ptr(),
-                    y.ptr(),
-                    0,
-                    0,
-                    S,
-                )
-            }
-            .unwrap();
+            let a = ops::W4a16Gemm {
+                x: x.ptr(),
+                act: DType::F16,
+                m,
+                n,
+                k,
+                group_size: g,
+                qweight: qw.ptr(),
+                qzeros: qz.ptr(),
+                scales: sc.ptr(),
+                y: y.ptr(),
+                workspace: 0,
+                workspace_bytes: 0,
+            };
+            unsafe { ops::w4a16_gemm_awq(&a, S) }.unwrap();
             forge_cuda::synchronize(0).unwrap();
         }
         return;
@@ -117,24 +114,21 @@ fn bench_all() {
                 let y = DeviceBuf::zeroed(0, m * n * 2).unwrap();
                 let wsb = ops::w4a16_workspace_bytes(0, m, n, k, g).unwrap();
                 let ws = DeviceBuf::zeroed(0, wsb.max(16)).unwrap();
-                let ms = time_ms(0, 0, 20, 50, || unsafe {
-                    ops::w4a16_gemm_awq(
-                        x.ptr(),
-                        act,
-                        m,
-                        k,
-                        n,
-                        g,
-                        qw.ptr(),
-                        qz.ptr(),
-                        sc.ptr(),
-                        y.ptr(),
-                        ws.ptr(),
-                        wsb,
-                        S,
-                    )
-                })
-                .unwrap();
+                let a = ops::W4a16Gemm {
+                    x: x.ptr(),
+                    act,
+                    m,
+                    n,
+                    k,
+                    group_size: g,
+                    qweight: qw.ptr(),
+                    qzeros: qz.ptr(),
+                    scales: sc.ptr(),
+                    y: y.ptr(),
+                    workspace: ws.ptr(),
+                    workspace_bytes: wsb,
+                };
+                let ms = time_ms(0, 0, 20, 50, || unsafe { ops::w4a16_gemm_awq(&a, S) }).unwrap();
                 let tb = wbytes / (ms as f64 * 1e-3) / 1e12;
                 let tf = 2.0 * (m * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
                 println!(

@@ -357,24 +357,21 @@ fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
     let qz = DeviceBuf::from_slice(0, &awq.qzeros).unwrap();
     let sc = DeviceBuf::from_slice(0, &awq.scales).unwrap();
     let dy = DeviceBuf::zeroed(0, m * n * 2).unwrap();
-    unsafe {
-        ops::w4a16_gemm_awq(
-            dx.ptr(),
-            act,
-            m,
-            k,
-            n,
-            g,
-            qw.ptr(),
-            qz.ptr(),
-            sc.ptr(),
-            dy.ptr(),
-            0,
-            0,
-            S,
-        )
-    }
-    .unwrap();
+    let a = ops::W4a16Gemm {
+        x: dx.ptr(),
+        act,
+        m,
+        n,
+        k,
+        group_size: g,
+        qweight: qw.ptr(),
+        qzeros: qz.ptr(),
+        scales: sc.ptr(),
+        y: dy.ptr(),
+        workspace: 0,
+        workspace_bytes: 0,
+    };
+    unsafe { ops::w4a16_gemm_awq(&a, S) }.unwrap();
     synchronize(0).unwrap();
     let y: Vec<u16> = dy.download().unwrap();
     // Tolerance: the weight rounding to the activation dtype plus the output rounding.

@@ -172,25 +172,22 @@ pub fn awq_matmul<'py>(
     } else {
         (py.None().into_bound(py), 0)
     };
+    let args = cu::W4a16Gemm {
+        x: x.ptr as u64,
+        act: cu_dtype(x),
+        m,
+        n,
+        k,
+        group_size: g,
+        qweight: qweight.ptr as u64,
+        qzeros: qzeros.ptr as u64,
+        scales: scales.ptr as u64,
+        y: yp,
+        workspace: wsp,
+        workspace_bytes: ws_bytes,
+    };
     // SAFETY: live CUDA tensors of checked shapes; workspace of the size asked for.
-    unsafe {
-        cu::w4a16_gemm_awq(
-            x.ptr as u64,
-            cu_dtype(x),
-            m,
-            k,
-            n,
-            g,
-            qweight.ptr as u64,
-            qzeros.ptr as u64,
-            scales.ptr as u64,
-            yp,
-            wsp,
-            ws_bytes,
-            s,
-        )
-    }
-    .map_err(|e| cuda_err(py, e))?;
+    unsafe { cu::w4a16_gemm_awq(&args, s) }.map_err(|e| cuda_err(py, e))?;
     Ok(y)
 }
 
@@ -349,26 +346,28 @@ pub fn w4a16_launch(
             ));
         }
     }
-    let act = if bf16 {
-        cu::DType::Bf16
-    } else {
-        cu::DType::F16
+    let args = cu::W4a16Gemm {
+        x,
+        act: if bf16 {
+            cu::DType::Bf16
+        } else {
+            cu::DType::F16
+        },
+        m,
+        n,
+        k,
+        group_size,
+        qweight,
+        qzeros,
+        scales,
+        y,
+        workspace,
+        workspace_bytes,
     };
     // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
     unsafe {
         cu::w4a16_gemm_awq(
-            x,
-            act,
-            m,
-            k,
-            n,
-            group_size,
-            qweight,
-            qzeros,
-            scales,
-            y,
-            workspace,
-            workspace_bytes,
+            &args,
             cu::Stream {
                 device,
                 handle: stream,
