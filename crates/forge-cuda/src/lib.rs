@@ -26,7 +26,8 @@
 //!     let x = DeviceBuf::from_slice(0, &vec![0.5f32; rows * cols]).unwrap();
 //!     let q = DeviceBuf::zeroed(0, rows * cols / 128 * 4).unwrap();
 //!     let spec = GridSpec { bits: 4, group_size: 128, symmetric: false };
-//!     unsafe { ops::qmeta_range(x.ptr(), DType::F32, rows, cols, &spec, q.ptr(), Stream::default()) }.unwrap();
+//!     let grid = ops::QmetaGrid { x: x.ptr(), dtype: DType::F32, rows, cols, spec, qmeta: q.ptr() };
+//!     unsafe { ops::qmeta_range(&grid, Stream::default()) }.unwrap();
 //!     let qmeta: Vec<u32> = q.download().unwrap();
 //! }
 //! ```
@@ -69,7 +70,15 @@ mod tests {
             group_size: 128,
             symmetric: false,
         };
-        let r = unsafe { ops::qmeta_range(256, DType::F32, 1, 128, &spec, 256, Stream::default()) };
+        let grid = ops::QmetaGrid {
+            x: 256,
+            dtype: DType::F32,
+            rows: 1,
+            cols: 128,
+            spec,
+            qmeta: 256,
+        };
+        let r = unsafe { ops::qmeta_range(&grid, Stream::default()) };
         assert!(r.is_err());
     }
 
@@ -114,7 +123,15 @@ mod tests {
             r,
             Err(CudaError::InvalidArgument { name: "n", .. })
         ));
-        let r = unsafe { ops::qmeta_range(0, DType::F32, 1, 128, &spec, 256, Stream::default()) };
+        let grid = ops::QmetaGrid {
+            x: 0,
+            dtype: DType::F32,
+            rows: 1,
+            cols: 128,
+            spec,
+            qmeta: 256,
+        };
+        let r = unsafe { ops::qmeta_range(&grid, Stream::default()) };
         assert!(matches!(
             r,
             Err(CudaError::InvalidArgument { name: "x", .. })

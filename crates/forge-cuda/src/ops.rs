@@ -6,8 +6,8 @@
 //! calling thread. Pointers are device addresses (`tensor.data_ptr()`), row-major and
 //! contiguous, with the dtypes documented per function.
 //!
-//! Launches of many arguments take them as a typed struct ([`QuantizePack`] or
-//! [`PackCodes`] with the [`PackedOut`] buffers, [`W4a16Gemm`], [`GroupedGemv`]) whose
+//! Launches of many arguments take them as a typed struct ([`QmetaGrid`], [`QuantizePack`]
+//! or [`PackCodes`] with the [`PackedOut`] buffers, [`W4a16Gemm`], [`GroupedGemv`]) whose
 //! field docs give each pointer's layout and whose `validate()` checks sizes, divisibility
 //! and alignment, naming the argument at fault, before the driver is touched. A linear is
 //! `n` out features × `k` in features throughout.
@@ -128,88 +128,98 @@ fn dev_of(s: Stream) -> Result<&'static Device> {
 // ---------------------------------------------------------------------------------------
 // (a) qmeta grids
 
-/// Range grid (spec §6.2): `qmeta[rows, ceil(cols/G)]` (u32) from `x[rows, cols]` of `dtype`.
-/// Bit-identical to `forge_core::grid::build_range`. Inputs must be finite (not checked here).
+/// Arguments of [`qmeta_range`] and [`qmeta_mse`]: the qmeta4 grid of a matrix, one group
+/// of `spec.group_size` columns at a time (for a weight: `rows` = `n` out features, `cols`
+/// = `k` in features).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QmetaGrid {
+    /// The matrix `[rows, cols]` of `dtype`, row-major, aligned to its element size. Finite
+    /// values (not checked here).
+    pub x: u64,
+    /// Element type of `x`.
+    pub dtype: DType,
+    /// Rows of `x` (out features of a weight): positive.
+    pub rows: usize,
+    /// Columns of `x` (in features of a weight): positive; the last group is zero-padded
+    /// when `cols % G != 0`.
+    pub cols: usize,
+    /// The grid's spec.
+    pub spec: GridSpec,
+    /// u32 `[rows, ceil(cols/G)]` qmeta4 words, 4-byte aligned: written by [`qmeta_range`],
+    /// refined in place by [`qmeta_mse`].
+    pub qmeta: u64,
+}
+
+impl QmetaGrid {
+    /// Checks spec, sizes and pointers without touching the driver.
+    pub fn validate(&self) -> Result<()> {
+        check_spec(&self.spec)?;
+        check_nonzero("rows", self.rows)?;
+        check_nonzero("cols", self.cols)?;
+        to_i32("rows", self.rows)?;
+        to_i32("cols", self.cols)?;
+        self.groups()?;
+        check_align("x", self.x, self.dtype.size() as u64)?;
+        check_align("qmeta", self.qmeta, 4)?;
+        Ok(())
+    }
+
+    /// Groups in the whole matrix (`rows · ceil(cols/G)`).
+    fn groups(&self) -> Result<usize> {
+        self.rows
+            .checked_mul(self.spec.groups(self.cols))
+            .ok_or(CudaError::arg("rows", "rows·groups < 2^63", self.rows))
+    }
+}
+
+/// Range grid (spec §6.2) of `a.x` into `a.qmeta` (see [`QmetaGrid`]). Bit-identical to
+/// `forge_core::grid::build_range`. Every argument is checked by [`QmetaGrid::validate`]
+/// before the driver is touched.
 ///
 /// # Safety
 /// See the module documentation.
-pub unsafe fn qmeta_range(
-    x: u64,
-    dtype: DType,
-    rows: usize,
-    cols: usize,
-    spec: &GridSpec,
-    qmeta: u64,
-    s: Stream,
-) -> Result<()> {
-    check_spec(spec)?;
-    check_nonzero("rows", rows)?;
-    check_nonzero("cols", cols)?;
-    check_align("x", x, dtype.size() as u64)?;
-    check_align("qmeta", qmeta, 4)?;
+pub unsafe fn qmeta_range(a: &QmetaGrid, s: Stream) -> Result<()> {
+    a.validate()?;
     let dev = dev_of(s)?;
-    let f = dev.function(kname("qmeta_range", dtype)?)?;
-    let groups = rows.checked_mul(spec.groups(cols)).ok_or(CudaError::arg(
-        "rows",
-        "rows·groups < 2^63",
-        rows,
-    ))?;
-    let grid = blocks(groups * 32, 256)?;
-    let (mut px, mut pq) = (x, qmeta);
+    let f = dev.function(kname("qmeta_range", a.dtype)?)?;
+    let grid = blocks(a.groups()? * 32, 256)?;
+    let (mut px, mut pq) = (a.x, a.qmeta);
     let (mut r, mut c, mut g) = (
-        to_i32("rows", rows)?,
-        to_i32("cols", cols)?,
-        to_i32("group_size", spec.group_size)?,
+        to_i32("rows", a.rows)?,
+        to_i32("cols", a.cols)?,
+        to_i32("group_size", a.spec.group_size)?,
     );
-    let (mut bits, mut sym) = (spec.bits as i32, spec.symmetric as i32);
+    let (mut bits, mut sym) = (a.spec.bits as i32, a.spec.symmetric as i32);
     let mut p = args!(px, pq, r, c, g, bits, sym);
     // SAFETY: parameter list matches qmeta_range_<dt>; pointers per the caller's contract.
     unsafe { launch(dev, f, (grid, 1, 1), (256, 1, 1), 0, s.handle, &mut p) }
 }
 
-/// MSE / L^p refinement (spec §6.3) of `qmeta` in place. Bit-identical to
-/// `forge_core::grid::refine_mse`. The kernel computes the candidate shrink factors from
-/// `max_shrink` and `n_grid` exactly as `MseSpec::candidates` does: no table shared between
-/// launches, so concurrent calls on different streams with different grids are safe.
+/// MSE / L^p refinement (spec §6.3) of `a.qmeta` in place (see [`QmetaGrid`]).
+/// Bit-identical to `forge_core::grid::refine_mse`. The kernel computes the candidate
+/// shrink factors from `max_shrink` and `n_grid` exactly as `MseSpec::candidates` does: no
+/// table shared between launches, so concurrent calls on different streams with different
+/// grids are safe. Every argument is checked before the driver is touched.
 ///
 /// # Safety
 /// See the module documentation.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn qmeta_mse(
-    x: u64,
-    dtype: DType,
-    rows: usize,
-    cols: usize,
-    spec: &GridSpec,
-    mse: &MseSpec,
-    qmeta: u64,
-    s: Stream,
-) -> Result<()> {
-    check_spec(spec)?;
+pub unsafe fn qmeta_mse(a: &QmetaGrid, mse: &MseSpec, s: Stream) -> Result<()> {
+    a.validate()?;
     mse.validate()
         .map_err(|e| CudaError::arg("mse", "a valid MseSpec", e))?;
-    check_nonzero("rows", rows)?;
-    check_nonzero("cols", cols)?;
-    check_align("x", x, dtype.size() as u64)?;
-    check_align("qmeta", qmeta, 4)?;
-    let dev = dev_of(s)?;
-    let f = dev.function(kname("qmeta_mse", dtype)?)?;
     let n_grid = to_i32("n_grid", mse.n_grid)?;
-    let groups = rows.checked_mul(spec.groups(cols)).ok_or(CudaError::arg(
-        "rows",
-        "rows·groups < 2^63",
-        rows,
-    ))?;
-    let grid = blocks(groups * 32, 128)?;
-    let smem = (4 * spec.group_size * 4) as u32;
-    let (mut px, mut pq) = (x, qmeta);
+    let dev = dev_of(s)?;
+    let f = dev.function(kname("qmeta_mse", a.dtype)?)?;
+    let grid = blocks(a.groups()? * 32, 128)?;
+    let smem = (4 * a.spec.group_size * 4) as u32;
+    let (mut px, mut pq) = (a.x, a.qmeta);
     let (mut r, mut c, mut g) = (
-        to_i32("rows", rows)?,
-        to_i32("cols", cols)?,
-        to_i32("group_size", spec.group_size)?,
+        to_i32("rows", a.rows)?,
+        to_i32("cols", a.cols)?,
+        to_i32("group_size", a.spec.group_size)?,
     );
     let (mut bits, mut ng, mut norm, mut shrink) =
-        (spec.bits as i32, n_grid, mse.norm, mse.max_shrink);
+        (a.spec.bits as i32, n_grid, mse.norm, mse.max_shrink);
     let mut p = args!(px, pq, r, c, g, bits, ng, norm, shrink);
     // SAFETY: parameter list matches qmeta_mse_<dt>.
     unsafe { launch(dev, f, (grid, 1, 1), (128, 1, 1), smem, s.handle, &mut p) }
@@ -1601,6 +1611,50 @@ mod tests {
             bits,
             group_size,
             symmetric: false,
+        }
+    }
+
+    #[test]
+    fn grid_args_are_validated_before_the_driver() {
+        let a = QmetaGrid {
+            x: 256,
+            dtype: DType::F32,
+            rows: 16,
+            cols: 300,
+            spec: spec(4, 128),
+            qmeta: 256,
+        };
+        assert!(a.validate().is_ok());
+        assert_eq!(refused(QmetaGrid { rows: 0, ..a }.validate()), "rows");
+        assert_eq!(refused(QmetaGrid { cols: 0, ..a }.validate()), "cols");
+        assert_eq!(refused(QmetaGrid { cols: 1 << 31, ..a }.validate()), "cols");
+        assert_eq!(
+            refused(
+                QmetaGrid {
+                    spec: spec(4, 100),
+                    ..a
+                }
+                .validate()
+            ),
+            "spec"
+        );
+        assert_eq!(refused(QmetaGrid { x: 258, ..a }.validate()), "x");
+        let bf16_at_2 = QmetaGrid {
+            dtype: DType::Bf16,
+            x: 258,
+            ..a
+        };
+        assert!(bf16_at_2.validate().is_ok());
+        assert_eq!(refused(QmetaGrid { qmeta: 0, ..a }.validate()), "qmeta");
+        // The launches refuse them too, whatever the machine; the MSE spec is checked
+        // before the driver as well.
+        let s = Stream::default();
+        unsafe {
+            assert_eq!(refused(qmeta_range(&QmetaGrid { rows: 0, ..a }, s)), "rows");
+            let mse = MseSpec::default();
+            assert_eq!(refused(qmeta_mse(&QmetaGrid { x: 0, ..a }, &mse, s)), "x");
+            let no_grid = MseSpec { n_grid: 0, ..mse };
+            assert_eq!(refused(qmeta_mse(&a, &no_grid, s)), "mse");
         }
     }
 

@@ -160,11 +160,16 @@ fn bench_all() {
     )
     .unwrap();
     let qm = DeviceBuf::zeroed(0, n * k / 128 * 4).unwrap();
-    unsafe { ops::qmeta_range(w.ptr(), DType::Bf16, n, k, &spec, qm.ptr(), S) }.unwrap();
-    let ms_range = time_ms(0, 0, 2, 10, || unsafe {
-        ops::qmeta_range(w.ptr(), DType::Bf16, n, k, &spec, qm.ptr(), S)
-    })
-    .unwrap();
+    let grid = ops::QmetaGrid {
+        x: w.ptr(),
+        dtype: DType::Bf16,
+        rows: n,
+        cols: k,
+        spec,
+        qmeta: qm.ptr(),
+    };
+    unsafe { ops::qmeta_range(&grid, S) }.unwrap();
+    let ms_range = time_ms(0, 0, 2, 10, || unsafe { ops::qmeta_range(&grid, S) }).unwrap();
     let rb = (n * k * 2 + n * k / 128 * 4) as f64;
     println!(
         "BENCH qmeta_range bf16 {n}x{k}: {:.1} us, {:.2} TB/s",
@@ -172,10 +177,7 @@ fn bench_all() {
         rb / (ms_range as f64 * 1e-3) / 1e12
     );
     let mse = forge_core::grid::MseSpec::default();
-    let ms_mse = time_ms(0, 0, 1, 3, || unsafe {
-        ops::qmeta_mse(w.ptr(), DType::Bf16, n, k, &spec, &mse, qm.ptr(), S)
-    })
-    .unwrap();
+    let ms_mse = time_ms(0, 0, 1, 3, || unsafe { ops::qmeta_mse(&grid, &mse, S) }).unwrap();
     println!(
         "BENCH qmeta_mse bf16 {n}x{k} (100 candidates, norm 2.4): {:.1} us",
         ms_mse * 1e3

@@ -105,7 +105,15 @@ fn grid_case<T: Host>(rows: usize, cols: usize, spec: &GridSpec, mse: Option<&Ms
     let ng = spec.groups(cols);
     let dx = DeviceBuf::from_slice(0, &x).unwrap();
     let dq = DeviceBuf::zeroed(0, rows * ng * 4).unwrap();
-    unsafe { ops::qmeta_range(dx.ptr(), T::DT, rows, cols, spec, dq.ptr(), S) }.unwrap();
+    let grid = ops::QmetaGrid {
+        x: dx.ptr(),
+        dtype: T::DT,
+        rows,
+        cols,
+        spec: *spec,
+        qmeta: dq.ptr(),
+    };
+    unsafe { ops::qmeta_range(&grid, S) }.unwrap();
     synchronize(0).unwrap();
     let gpu_range: Vec<u32> = dq.download().unwrap();
     let cpu_range = u32s_of(&cpu);
@@ -128,7 +136,7 @@ fn grid_case<T: Host>(rows: usize, cols: usize, spec: &GridSpec, mse: Option<&Ms
     );
     if let Some(mse) = mse {
         refine_mse(&x, rows, cols, spec, mse, &mut cpu).expect("cpu mse");
-        unsafe { ops::qmeta_mse(dx.ptr(), T::DT, rows, cols, spec, mse, dq.ptr(), S) }.unwrap();
+        unsafe { ops::qmeta_mse(&grid, mse, S) }.unwrap();
         synchronize(0).unwrap();
         let g: Vec<u32> = dq.download().unwrap();
         let c = u32s_of(&cpu);

@@ -54,14 +54,20 @@ pub fn build_quant_grid<'py>(
     w.require_finite_cuda()?;
     let (rows, cols) = (w.shape[0], w.shape[1]);
     let (out, ptr) = empty_on(py, &[rows, spec.groups(cols), 4], DType::U8, w)?;
+    let grid = cu::QmetaGrid {
+        x: w.ptr as u64,
+        dtype: cu_dtype(w),
+        rows,
+        cols,
+        spec: *spec,
+        qmeta: ptr,
+    };
     let s = stream_of(w)?;
     // SAFETY: pointers from live CUDA tensors of the checked shapes and dtypes.
     unsafe {
-        cu::qmeta_range(w.ptr as u64, cu_dtype(w), rows, cols, spec, ptr, s)
-            .map_err(|e| cuda_err(py, e))?;
+        cu::qmeta_range(&grid, s).map_err(|e| cuda_err(py, e))?;
         if let GridMode::Mse(m) = mode {
-            cu::qmeta_mse(w.ptr as u64, cu_dtype(w), rows, cols, spec, &m, ptr, s)
-                .map_err(|e| cuda_err(py, e))?;
+            cu::qmeta_mse(&grid, &m, s).map_err(|e| cuda_err(py, e))?;
         }
     }
     Ok(out)

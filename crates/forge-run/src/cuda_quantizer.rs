@@ -84,6 +84,14 @@ impl CudaRtnQuantizer {
         let qzeros =
             DeviceBuf::zeroed(self.device, (k / spec.group_size) * n / 8 * 4).map_err(cuda)?;
         let scales = DeviceBuf::zeroed(self.device, (k / spec.group_size) * n * 2).map_err(cuda)?;
+        let grid = cu::QmetaGrid {
+            x: buf.ptr(),
+            dtype,
+            rows: n,
+            cols: k,
+            spec,
+            qmeta: qmeta.ptr(),
+        };
         let args = cu::QuantizePack {
             w: buf.ptr(),
             dtype,
@@ -100,9 +108,9 @@ impl CudaRtnQuantizer {
         let s = cu::Stream::default_of(self.device);
         // SAFETY: every buffer is a live device allocation of the size the op requires.
         unsafe {
-            cu::qmeta_range(buf.ptr(), dtype, n, k, &spec, qmeta.ptr(), s).map_err(cuda)?;
+            cu::qmeta_range(&grid, s).map_err(cuda)?;
             if let GridMode::Mse(m) = self.mode {
-                cu::qmeta_mse(buf.ptr(), dtype, n, k, &spec, &m, qmeta.ptr(), s).map_err(cuda)?;
+                cu::qmeta_mse(&grid, &m, s).map_err(cuda)?;
             }
             cu::awq_quantize_pack(&args, &out, s).map_err(cuda)?;
         }
