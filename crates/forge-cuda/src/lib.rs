@@ -26,7 +26,8 @@
 //!     let x = DeviceBuf::from_slice(0, &vec![0.5f32; rows * cols]).unwrap();
 //!     let q = DeviceBuf::zeroed(0, rows * cols / 128 * 4).unwrap();
 //!     let spec = GridSpec { bits: 4, group_size: 128, symmetric: false };
-//!     unsafe { ops::qmeta_range(x.ptr(), DType::F32, rows, cols, &spec, q.ptr(), Stream::default()) }.unwrap();
+//!     let grid = ops::QmetaGrid { x: x.ptr(), dtype: DType::F32, rows, cols, spec, qmeta: q.ptr() };
+//!     unsafe { ops::qmeta_range(&grid, Stream::default()) }.unwrap();
 //!     let qmeta: Vec<u32> = q.download().unwrap();
 //! }
 //! ```
@@ -69,7 +70,15 @@ mod tests {
             group_size: 128,
             symmetric: false,
         };
-        let r = unsafe { ops::qmeta_range(256, DType::F32, 1, 128, &spec, 256, Stream::default()) };
+        let grid = ops::QmetaGrid {
+            x: 256,
+            dtype: DType::F32,
+            rows: 1,
+            cols: 128,
+            spec,
+            qmeta: 256,
+        };
+        let r = unsafe { ops::qmeta_range(&grid, Stream::default()) };
         assert!(r.is_err());
     }
 
@@ -95,46 +104,56 @@ mod tests {
             symmetric: false,
         };
         // N not a multiple of 32: rejected whatever the machine.
-        let r = unsafe {
-            ops::w4a16_gemm_awq(
-                256,
-                DType::F16,
-                1,
-                128,
-                40,
-                128,
-                256,
-                256,
-                256,
-                256,
-                0,
-                0,
-                Stream::default(),
-            )
+        let gemm = ops::W4a16Gemm {
+            x: 256,
+            act: DType::F16,
+            m: 1,
+            n: 40,
+            k: 128,
+            group_size: 128,
+            qweight: 256,
+            qzeros: 256,
+            scales: 256,
+            y: 256,
+            workspace: 0,
+            workspace_bytes: 0,
         };
+        let r = unsafe { ops::w4a16_gemm_awq(&gemm, Stream::default()) };
         assert!(matches!(
             r,
             Err(CudaError::InvalidArgument { name: "n", .. })
         ));
-        let r = unsafe { ops::qmeta_range(0, DType::F32, 1, 128, &spec, 256, Stream::default()) };
+        let grid = ops::QmetaGrid {
+            x: 0,
+            dtype: DType::F32,
+            rows: 1,
+            cols: 128,
+            spec,
+            qmeta: 256,
+        };
+        let r = unsafe { ops::qmeta_range(&grid, Stream::default()) };
         assert!(matches!(
             r,
             Err(CudaError::InvalidArgument { name: "x", .. })
         ));
-        let r = unsafe {
-            ops::awq_quantize_pack(
-                256,
-                DType::F16,
-                12,
-                128,
-                256,
-                &spec,
-                256,
-                256,
-                256,
-                Stream::default(),
-            )
+        // N not a multiple of 8.
+        let a = ops::QuantizePack {
+            w: 256,
+            dtype: DType::F16,
+            n: 12,
+            k: 128,
+            qmeta: 256,
+            spec,
         };
-        assert!(matches!(r, Err(CudaError::InvalidArgument { .. })));
+        let out = ops::PackedOut {
+            qweight: 256,
+            qzeros: 256,
+            scales: 256,
+        };
+        let r = unsafe { ops::awq_quantize_pack(&a, &out, Stream::default()) };
+        assert!(matches!(
+            r,
+            Err(CudaError::InvalidArgument { name: "n", .. })
+        ));
     }
 }

@@ -6,6 +6,12 @@
 //! calling thread. Pointers are device addresses (`tensor.data_ptr()`), row-major and
 //! contiguous, with the dtypes documented per function.
 //!
+//! Launches of many arguments take them as a typed struct ([`QmetaGrid`], [`QuantizePack`]
+//! or [`PackCodes`] with the [`PackedOut`] buffers, [`W4a16Gemm`], [`GroupedGemv`]) whose
+//! field docs give each pointer's layout and whose `validate()` checks sizes, divisibility
+//! and alignment, naming the argument at fault, before the driver is touched. A linear is
+//! `n` out features × `k` in features throughout.
+//!
 //! # Safety (all functions)
 //! Every pointer must point to device memory of `device` that holds at least the documented
 //! number of elements, stays alive until the work on `stream` has finished, and is not
@@ -122,88 +128,98 @@ fn dev_of(s: Stream) -> Result<&'static Device> {
 // ---------------------------------------------------------------------------------------
 // (a) qmeta grids
 
-/// Range grid (spec §6.2): `qmeta[rows, ceil(cols/G)]` (u32) from `x[rows, cols]` of `dtype`.
-/// Bit-identical to `forge_core::grid::build_range`. Inputs must be finite (not checked here).
+/// Arguments of [`qmeta_range`] and [`qmeta_mse`]: the qmeta4 grid of a matrix, one group
+/// of `spec.group_size` columns at a time (for a weight: `rows` = `n` out features, `cols`
+/// = `k` in features).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QmetaGrid {
+    /// The matrix `[rows, cols]` of `dtype`, row-major, aligned to its element size. Finite
+    /// values (not checked here).
+    pub x: u64,
+    /// Element type of `x`.
+    pub dtype: DType,
+    /// Rows of `x` (out features of a weight): positive.
+    pub rows: usize,
+    /// Columns of `x` (in features of a weight): positive; the last group is zero-padded
+    /// when `cols % G != 0`.
+    pub cols: usize,
+    /// The grid's spec.
+    pub spec: GridSpec,
+    /// u32 `[rows, ceil(cols/G)]` qmeta4 words, 4-byte aligned: written by [`qmeta_range`],
+    /// refined in place by [`qmeta_mse`].
+    pub qmeta: u64,
+}
+
+impl QmetaGrid {
+    /// Checks spec, sizes and pointers without touching the driver.
+    pub fn validate(&self) -> Result<()> {
+        check_spec(&self.spec)?;
+        check_nonzero("rows", self.rows)?;
+        check_nonzero("cols", self.cols)?;
+        to_i32("rows", self.rows)?;
+        to_i32("cols", self.cols)?;
+        self.groups()?;
+        check_align("x", self.x, self.dtype.size() as u64)?;
+        check_align("qmeta", self.qmeta, 4)?;
+        Ok(())
+    }
+
+    /// Groups in the whole matrix (`rows · ceil(cols/G)`).
+    fn groups(&self) -> Result<usize> {
+        self.rows
+            .checked_mul(self.spec.groups(self.cols))
+            .ok_or(CudaError::arg("rows", "rows·groups < 2^63", self.rows))
+    }
+}
+
+/// Range grid (spec §6.2) of `a.x` into `a.qmeta` (see [`QmetaGrid`]). Bit-identical to
+/// `forge_core::grid::build_range`. Every argument is checked by [`QmetaGrid::validate`]
+/// before the driver is touched.
 ///
 /// # Safety
 /// See the module documentation.
-pub unsafe fn qmeta_range(
-    x: u64,
-    dtype: DType,
-    rows: usize,
-    cols: usize,
-    spec: &GridSpec,
-    qmeta: u64,
-    s: Stream,
-) -> Result<()> {
-    check_spec(spec)?;
-    check_nonzero("rows", rows)?;
-    check_nonzero("cols", cols)?;
-    check_align("x", x, dtype.size() as u64)?;
-    check_align("qmeta", qmeta, 4)?;
+pub unsafe fn qmeta_range(a: &QmetaGrid, s: Stream) -> Result<()> {
+    a.validate()?;
     let dev = dev_of(s)?;
-    let f = dev.function(kname("qmeta_range", dtype)?)?;
-    let groups = rows.checked_mul(spec.groups(cols)).ok_or(CudaError::arg(
-        "rows",
-        "rows·groups < 2^63",
-        rows,
-    ))?;
-    let grid = blocks(groups * 32, 256)?;
-    let (mut px, mut pq) = (x, qmeta);
+    let f = dev.function(kname("qmeta_range", a.dtype)?)?;
+    let grid = blocks(a.groups()? * 32, 256)?;
+    let (mut px, mut pq) = (a.x, a.qmeta);
     let (mut r, mut c, mut g) = (
-        to_i32("rows", rows)?,
-        to_i32("cols", cols)?,
-        to_i32("group_size", spec.group_size)?,
+        to_i32("rows", a.rows)?,
+        to_i32("cols", a.cols)?,
+        to_i32("group_size", a.spec.group_size)?,
     );
-    let (mut bits, mut sym) = (spec.bits as i32, spec.symmetric as i32);
+    let (mut bits, mut sym) = (a.spec.bits as i32, a.spec.symmetric as i32);
     let mut p = args!(px, pq, r, c, g, bits, sym);
     // SAFETY: parameter list matches qmeta_range_<dt>; pointers per the caller's contract.
     unsafe { launch(dev, f, (grid, 1, 1), (256, 1, 1), 0, s.handle, &mut p) }
 }
 
-/// MSE / L^p refinement (spec §6.3) of `qmeta` in place. Bit-identical to
-/// `forge_core::grid::refine_mse`. The kernel computes the candidate shrink factors from
-/// `max_shrink` and `n_grid` exactly as `MseSpec::candidates` does: no table shared between
-/// launches, so concurrent calls on different streams with different grids are safe.
+/// MSE / L^p refinement (spec §6.3) of `a.qmeta` in place (see [`QmetaGrid`]).
+/// Bit-identical to `forge_core::grid::refine_mse`. The kernel computes the candidate
+/// shrink factors from `max_shrink` and `n_grid` exactly as `MseSpec::candidates` does: no
+/// table shared between launches, so concurrent calls on different streams with different
+/// grids are safe. Every argument is checked before the driver is touched.
 ///
 /// # Safety
 /// See the module documentation.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn qmeta_mse(
-    x: u64,
-    dtype: DType,
-    rows: usize,
-    cols: usize,
-    spec: &GridSpec,
-    mse: &MseSpec,
-    qmeta: u64,
-    s: Stream,
-) -> Result<()> {
-    check_spec(spec)?;
+pub unsafe fn qmeta_mse(a: &QmetaGrid, mse: &MseSpec, s: Stream) -> Result<()> {
+    a.validate()?;
     mse.validate()
         .map_err(|e| CudaError::arg("mse", "a valid MseSpec", e))?;
-    check_nonzero("rows", rows)?;
-    check_nonzero("cols", cols)?;
-    check_align("x", x, dtype.size() as u64)?;
-    check_align("qmeta", qmeta, 4)?;
-    let dev = dev_of(s)?;
-    let f = dev.function(kname("qmeta_mse", dtype)?)?;
     let n_grid = to_i32("n_grid", mse.n_grid)?;
-    let groups = rows.checked_mul(spec.groups(cols)).ok_or(CudaError::arg(
-        "rows",
-        "rows·groups < 2^63",
-        rows,
-    ))?;
-    let grid = blocks(groups * 32, 128)?;
-    let smem = (4 * spec.group_size * 4) as u32;
-    let (mut px, mut pq) = (x, qmeta);
+    let dev = dev_of(s)?;
+    let f = dev.function(kname("qmeta_mse", a.dtype)?)?;
+    let grid = blocks(a.groups()? * 32, 128)?;
+    let smem = (4 * a.spec.group_size * 4) as u32;
+    let (mut px, mut pq) = (a.x, a.qmeta);
     let (mut r, mut c, mut g) = (
-        to_i32("rows", rows)?,
-        to_i32("cols", cols)?,
-        to_i32("group_size", spec.group_size)?,
+        to_i32("rows", a.rows)?,
+        to_i32("cols", a.cols)?,
+        to_i32("group_size", a.spec.group_size)?,
     );
     let (mut bits, mut ng, mut norm, mut shrink) =
-        (spec.bits as i32, n_grid, mse.norm, mse.max_shrink);
+        (a.spec.bits as i32, n_grid, mse.norm, mse.max_shrink);
     let mut p = args!(px, pq, r, c, g, bits, ng, norm, shrink);
     // SAFETY: parameter list matches qmeta_mse_<dt>.
     unsafe { launch(dev, f, (grid, 1, 1), (128, 1, 1), smem, s.handle, &mut p) }
@@ -212,40 +228,141 @@ pub unsafe fn qmeta_mse(
 // ---------------------------------------------------------------------------------------
 // (b) packing
 
-fn check_pack(k: usize, n: usize, spec: &GridSpec) -> Result<()> {
-    forge_core::pack::check_pack_shape(k, n, spec)
-        .map_err(|e| CudaError::arg("shape", "K % G == 0, N % 8 == 0, 4 bits", e))
+/// Shape and grid checks shared by the pack launches (the CUDA side of
+/// `forge_core::pack::check_pack_shape`, with the argument named): a linear of `n` out
+/// features × `k` in features with `n % 8 == 0`, `k % G == 0`, 4-bit codes.
+fn check_pack_shape(n: usize, k: usize, spec: &GridSpec) -> Result<()> {
+    check_spec(spec)?;
+    if spec.bits != 4 {
+        return Err(CudaError::arg(
+            "spec",
+            "4 bits (the packed layouts hold int4 codes)",
+            format!("{} bits", spec.bits),
+        ));
+    }
+    if n == 0 || !n.is_multiple_of(8) {
+        return Err(CudaError::arg(
+            "n",
+            "a positive multiple of 8 (out features)",
+            n,
+        ));
+    }
+    let g = spec.group_size;
+    if k == 0 || !k.is_multiple_of(g) {
+        return Err(CudaError::arg(
+            "k",
+            format!("a positive multiple of group_size {g} (in features)"),
+            k,
+        ));
+    }
+    to_i32("n", n)?;
+    to_i32("k", k)?;
+    Ok(())
 }
 
-/// Fused round-to-nearest quantize + AWQ pack of `w[N, K]` (`dtype`) on its grid
-/// `qmeta[N, K/G]` into `qweight i32[K, N/8]`, `qzeros i32[K/G, N/8]`, `scales f16[K/G, N]`.
-/// Bit-identical to `forge_core::pack::quantize_pack_awq`. Requires `K % G == 0`,
-/// `N % 8 == 0`, 4 bits; `w` 16-byte aligned (32 for f32).
+/// The three packed int4 tensors a pack launch writes ([`awq_quantize_pack`],
+/// [`awq_pack_codes`], [`gptq_pack_codes`]) for a linear of `N` out features × `K` in
+/// features with group size `G`. All row-major and contiguous; none may alias the inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackedOut {
+    /// i32, `K·N/8` words, 4-byte aligned. AWQ: `[K, N/8]`, nibble `i` of word `[k, c]` is
+    /// column `8c + ORDER[i]`, `ORDER = {0,2,4,6,1,3,5,7}`. GPTQ v1: `[K/8, N]`, nibble `i`
+    /// of word `[r, n]` is row `8r + i`.
+    pub qweight: u64,
+    /// i32 `[K/G, N/8]`, 4-byte aligned: zero points, 8 per word. AWQ: in `ORDER`. GPTQ v1:
+    /// `z − 1` in plain order.
+    pub qzeros: u64,
+    /// f16 `[K/G, N]`, 2-byte aligned: group scales.
+    pub scales: u64,
+}
+
+impl PackedOut {
+    /// Checks the pointers (non-null, aligned for the kernels' stores) without touching the
+    /// driver.
+    pub fn validate(&self) -> Result<()> {
+        check_align("qweight", self.qweight, 4)?;
+        check_align("qzeros", self.qzeros, 4)?;
+        check_align("scales", self.scales, 2)?;
+        Ok(())
+    }
+}
+
+/// Input of [`awq_quantize_pack`]: a weight and its qmeta grid, round-to-nearest quantized
+/// and packed in one pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantizePack {
+    /// The weight `[N, K]` of `dtype`, row-major (the checkpoint's `weight`: one row per out
+    /// feature), 16-byte aligned (32 for F32).
+    pub w: u64,
+    /// Element type of `w`.
+    pub dtype: DType,
+    /// Out features (rows of `w`): a positive multiple of 8.
+    pub n: usize,
+    /// In features (columns of `w`): a positive multiple of `spec.group_size`.
+    pub k: usize,
+    /// u32 `[N, K/G]` qmeta4 grid of `w` (as [`qmeta_range`] writes it), 4-byte aligned.
+    pub qmeta: u64,
+    /// The grid's spec: 4 bits, group size `G`.
+    pub spec: GridSpec,
+}
+
+impl QuantizePack {
+    /// Checks shape, spec and pointers (together with `out`, by [`awq_quantize_pack`])
+    /// without touching the driver.
+    pub fn validate(&self) -> Result<()> {
+        check_pack_shape(self.n, self.k, &self.spec)?;
+        check_align("w", self.w, if self.dtype == DType::F32 { 32 } else { 16 })?;
+        check_align("qmeta", self.qmeta, 4)?;
+        Ok(())
+    }
+}
+
+/// Input of [`awq_pack_codes`] and [`gptq_pack_codes`]: integer codes (the GPTQ solver's
+/// output) and their qmeta grid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackCodes {
+    /// u8 codes `[K, N]`, row-major (`weight_t` layout, the GPTQ solver's output), each
+    /// `<= 15`. Non-null; [`awq_pack_codes`] also needs it 8-byte aligned (it reads 8 codes
+    /// at once).
+    pub codes: u64,
+    /// u32 `[N, K/G]` qmeta4 grid (one row per out feature), 4-byte aligned.
+    pub qmeta: u64,
+    /// Out features (columns of `codes`): a positive multiple of 8.
+    pub n: usize,
+    /// In features (rows of `codes`): a positive multiple of `spec.group_size`.
+    pub k: usize,
+    /// The grid's spec: 4 bits, group size `G`.
+    pub spec: GridSpec,
+}
+
+impl PackCodes {
+    /// Checks shape, spec and pointers without touching the driver (the 8-byte alignment
+    /// of `codes` that only [`awq_pack_codes`] needs is checked there).
+    pub fn validate(&self) -> Result<()> {
+        check_pack_shape(self.n, self.k, &self.spec)?;
+        check_align("codes", self.codes, 1)?;
+        check_align("qmeta", self.qmeta, 4)?;
+        Ok(())
+    }
+}
+
+/// Fused round-to-nearest quantize + AWQ pack of `a.w [N, K]` on its grid into the AWQ
+/// layout of `out` (see [`QuantizePack`] and [`PackedOut`]). Bit-identical to
+/// `forge_core::pack::quantize_pack_awq`. Every argument is checked before the driver is
+/// touched; besides [`QuantizePack::validate`] and [`PackedOut::validate`], `out.qweight`
+/// must be 8-byte aligned.
 ///
 /// # Safety
 /// See the module documentation.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn awq_quantize_pack(
-    w: u64,
-    dtype: DType,
-    n: usize,
-    k: usize,
-    qmeta: u64,
-    spec: &GridSpec,
-    qweight: u64,
-    qzeros: u64,
-    scales: u64,
-    s: Stream,
-) -> Result<()> {
-    check_pack(k, n, spec)?;
-    check_align("weight", w, if dtype == DType::F32 { 32 } else { 16 })?;
-    check_align("qmeta", qmeta, 4)?;
-    check_align("qweight", qweight, 8)?;
-    check_align("qzeros", qzeros, 4)?;
-    check_align("scales", scales, 2)?;
+pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) -> Result<()> {
+    a.validate()?;
+    out.validate()?;
+    check_align("qweight", out.qweight, 8)?;
+    let (n, k, spec) = (a.n, a.k, &a.spec);
     let dev = dev_of(s)?;
-    let f = dev.function(kname("awq_quant_pack", dtype)?)?;
-    let (mut pw, mut pm, mut pqw, mut pqz, mut psc) = (w, qmeta, qweight, qzeros, scales);
+    let f = dev.function(kname("awq_quant_pack", a.dtype)?)?;
+    let (mut pw, mut pm) = (a.w, a.qmeta);
+    let (mut pqw, mut pqz, mut psc) = (out.qweight, out.qzeros, out.scales);
     let (mut nn, mut kk, mut g, mut bits) = (
         to_i32("n", n)?,
         to_i32("k", k)?,
@@ -258,30 +375,23 @@ pub unsafe fn awq_quantize_pack(
     unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
 }
 
-/// Packs codes `u8[K, N]` (the GPTQ solver's output, in `weight_t` layout) with their grid
-/// `qmeta[N, K/G]` into the AWQ layout (`qweight i32[K, N/8]`, `qzeros i32[K/G, N/8]`,
-/// `scales f16[K/G, N]`). Bit-identical to `forge_core::pack::pack_awq` for codes ≤ 15.
+/// Packs `a.codes [K, N]` with their grid into the AWQ layout of `out` (see [`PackCodes`]
+/// and [`PackedOut`]). Bit-identical to `forge_core::pack::pack_awq` for codes ≤ 15. Every
+/// argument is checked before the driver is touched; besides [`PackCodes::validate`] and
+/// [`PackedOut::validate`], `a.codes` must be 8-byte aligned.
 ///
 /// # Safety
 /// See the module documentation.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn awq_pack_codes(
-    codes: u64,
-    qmeta: u64,
-    k: usize,
-    n: usize,
-    spec: &GridSpec,
-    qweight: u64,
-    qzeros: u64,
-    scales: u64,
-    s: Stream,
-) -> Result<()> {
-    check_pack(k, n, spec)?;
-    check_align("codes", codes, 8)?;
+pub unsafe fn awq_pack_codes(a: &PackCodes, out: &PackedOut, s: Stream) -> Result<()> {
+    a.validate()?;
+    out.validate()?;
+    check_align("codes", a.codes, 8)?;
+    let (n, k, spec) = (a.n, a.k, &a.spec);
     let dev = dev_of(s)?;
     let f1 = dev.function("awq_pack_codes")?;
     let f2 = dev.function("awq_pack_meta")?;
-    let (mut pc, mut pqw, mut kk, mut nn) = (codes, qweight, to_i32("k", k)?, to_i32("n", n)?);
+    let (mut pc, mut pqw, mut kk, mut nn) =
+        (a.codes, out.qweight, to_i32("k", k)?, to_i32("n", n)?);
     let mut p = args!(pc, pqw, kk, nn);
     // SAFETY: parameter lists match awq_pack_codes / awq_pack_meta.
     unsafe {
@@ -297,9 +407,9 @@ pub unsafe fn awq_pack_codes(
     };
     let ngroups = k / spec.group_size;
     let (mut pm, mut pqz, mut psc, mut n2, mut ng, mut bits) = (
-        qmeta,
-        qzeros,
-        scales,
+        a.qmeta,
+        out.qzeros,
+        out.scales,
         to_i32("n", n)?,
         ngroups as i32,
         spec.bits as i32,
@@ -318,32 +428,31 @@ pub unsafe fn awq_pack_codes(
     }
 }
 
-/// Packs codes `u8[K, N]` into the GPTQ v1 layout: `qweight i32[K/8, N]`,
-/// `qzeros i32[K/G, N/8]` (z − 1, plain order), `scales f16[K/G, N]`. A zero point of 0
-/// cannot be stored in v1: when `bad_flag` (a device u32, or 0) is given, the kernel sets
-/// it to 1 in that case (the CPU `pack_gptq` returns an error). `g_idx` is `k / G` and is
-/// left to the caller.
+/// Packs `a.codes [K, N]` with their grid into the GPTQ v1 layout of `out` (see
+/// [`PackCodes`] and [`PackedOut`]). A zero point of 0 cannot be stored in v1: when
+/// `bad_flag` (a device u32, 4-byte aligned, or 0 for none) is given, the kernel sets it to
+/// 1 in that case (the CPU `pack_gptq` returns an error). `g_idx` is `k / G` and is left to
+/// the caller. Every argument is checked before the driver is touched.
 ///
 /// # Safety
 /// See the module documentation.
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn gptq_pack_codes(
-    codes: u64,
-    qmeta: u64,
-    k: usize,
-    n: usize,
-    spec: &GridSpec,
-    qweight: u64,
-    qzeros: u64,
-    scales: u64,
+    a: &PackCodes,
+    out: &PackedOut,
     bad_flag: u64,
     s: Stream,
 ) -> Result<()> {
-    check_pack(k, n, spec)?;
+    a.validate()?;
+    out.validate()?;
+    if bad_flag != 0 {
+        check_align("bad_flag", bad_flag, 4)?;
+    }
+    let (n, k, spec) = (a.n, a.k, &a.spec);
     let dev = dev_of(s)?;
     let f1 = dev.function("gptq_pack_codes")?;
     let f2 = dev.function("gptq_pack_meta")?;
-    let (mut pc, mut pqw, mut kk, mut nn) = (codes, qweight, to_i32("k", k)?, to_i32("n", n)?);
+    let (mut pc, mut pqw, mut kk, mut nn) =
+        (a.codes, out.qweight, to_i32("k", k)?, to_i32("n", n)?);
     let mut p = args!(pc, pqw, kk, nn);
     // SAFETY: parameter lists match gptq_pack_codes / gptq_pack_meta.
     unsafe {
@@ -359,9 +468,9 @@ pub unsafe fn gptq_pack_codes(
     };
     let ngroups = k / spec.group_size;
     let (mut pm, mut pqz, mut psc, mut pb, mut n2, mut ng, mut bits) = (
-        qmeta,
-        qzeros,
-        scales,
+        a.qmeta,
+        out.qzeros,
+        out.scales,
         bad_flag,
         to_i32("n", n)?,
         ngroups as i32,
@@ -708,61 +817,91 @@ pub fn w4a16_workspace_bytes(
     })
 }
 
-/// `y[M, N] = x[M, K] · dequant(W)ᵀ` reading the AWQ tensors directly: `x`, `y` of `act`
-/// (F16 or Bf16), `qweight i32[K, N/8]`, `qzeros i32[K/G, N/8]`, `scales f16[K/G, N]`;
-/// fp32 accumulation on tensor cores. Requires `K % G == 0`, `G % 32 == 0`, `N % 32 == 0`
-/// and 16-byte aligned `x`, `qweight`, `scales`. For bf16 activations the weights are
-/// dequantised as `(q − z)·bf16(scale)` rounded to bf16 (as vLLM does with bf16 scales).
+/// Arguments of [`w4a16_gemm_awq`]: `y = x · dequant(W)ᵀ` for a linear of `n` out features
+/// × `k` in features stored in the AWQ layout (as [`awq_quantize_pack`] writes it), on `m`
+/// rows of activations. All tensors row-major and contiguous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct W4a16Gemm {
+    /// Activations `[M, K]` of `act`, 16-byte aligned.
+    pub x: u64,
+    /// Activation (and output) dtype: F16 or Bf16.
+    pub act: DType,
+    /// Rows of `x` and `y` (tokens): positive.
+    pub m: usize,
+    /// Out features: a positive multiple of 32.
+    pub n: usize,
+    /// In features: a positive multiple of `group_size`.
+    pub k: usize,
+    /// AWQ group size `G`: a positive multiple of 32.
+    pub group_size: usize,
+    /// i32 `[K, N/8]` AWQ-packed codes (see [`PackedOut::qweight`]), 16-byte aligned.
+    pub qweight: u64,
+    /// i32 `[K/G, N/8]` AWQ-packed zero points, 4-byte aligned.
+    pub qzeros: u64,
+    /// f16 `[K/G, N]` group scales, 16-byte aligned.
+    pub scales: u64,
+    /// Output `[M, N]` of `act`, 2-byte aligned.
+    pub y: u64,
+    /// fp32 split-K scratch of [`w4a16_workspace_bytes`] bytes (16-byte aligned), or 0 to
+    /// allocate it stream-ordered on the launch's stream when K is split.
+    pub workspace: u64,
+    /// Bytes at `workspace`.
+    pub workspace_bytes: usize,
+}
+
+impl W4a16Gemm {
+    /// Checks dtype, sizes, divisibility and pointer alignment without touching the driver
+    /// (the workspace is checked against the shape's plan by the launch, when K is split).
+    pub fn validate(&self) -> Result<()> {
+        if !matches!(self.act, DType::F16 | DType::Bf16) {
+            return Err(CudaError::arg(
+                "act",
+                "F16 or Bf16",
+                format!("{:?}", self.act),
+            ));
+        }
+        check_nonzero("m", self.m)?;
+        let g = self.group_size;
+        if g == 0 || !g.is_multiple_of(32) {
+            return Err(CudaError::arg("group_size", "a positive multiple of 32", g));
+        }
+        if self.k == 0 || !self.k.is_multiple_of(g) {
+            return Err(CudaError::arg(
+                "k",
+                format!("a positive multiple of group_size {g}"),
+                self.k,
+            ));
+        }
+        if self.n == 0 || !self.n.is_multiple_of(32) {
+            return Err(CudaError::arg("n", "a positive multiple of 32", self.n));
+        }
+        to_i32("m", self.m)?;
+        to_i32("n", self.n)?;
+        to_i32("k", self.k)?;
+        check_align("x", self.x, 16)?;
+        check_align("qweight", self.qweight, 16)?;
+        check_align("qzeros", self.qzeros, 4)?;
+        check_align("scales", self.scales, 16)?;
+        check_align("y", self.y, 2)?;
+        Ok(())
+    }
+}
+
+/// `y[M, N] = x[M, K] · dequant(W)ᵀ` reading the AWQ tensors directly (see [`W4a16Gemm`]);
+/// fp32 accumulation on tensor cores. For bf16 activations the weights are dequantised as
+/// `(q − z)·bf16(scale)` rounded to bf16 (as vLLM does with bf16 scales). Every argument is
+/// checked by [`W4a16Gemm::validate`] before the driver is touched.
 ///
 /// When K is split (small M) an fp32 workspace of [`w4a16_workspace_bytes`] is needed: pass
 /// it (`workspace`, `workspace_bytes`), or 0 to allocate it stream-ordered on `s`.
 ///
 /// # Safety
 /// See the module documentation.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn w4a16_gemm_awq(
-    x: u64,
-    act: DType,
-    m: usize,
-    k: usize,
-    n: usize,
-    group_size: usize,
-    qweight: u64,
-    qzeros: u64,
-    scales: u64,
-    y: u64,
-    workspace: u64,
-    workspace_bytes: usize,
-    s: Stream,
-) -> Result<()> {
-    if !matches!(act, DType::F16 | DType::Bf16) {
-        return Err(CudaError::arg("act", "F16 or Bf16", format!("{act:?}")));
-    }
-    check_nonzero("m", m)?;
-    if group_size == 0 || !group_size.is_multiple_of(32) {
-        return Err(CudaError::arg(
-            "group_size",
-            "a positive multiple of 32",
-            group_size,
-        ));
-    }
-    if k == 0 || !k.is_multiple_of(group_size) {
-        return Err(CudaError::arg(
-            "k",
-            format!("a positive multiple of group_size {group_size}"),
-            k,
-        ));
-    }
-    if n == 0 || !n.is_multiple_of(32) {
-        return Err(CudaError::arg("n", "a positive multiple of 32", n));
-    }
-    check_align("x", x, 16)?;
-    check_align("qweight", qweight, 16)?;
-    check_align("qzeros", qzeros, 4)?;
-    check_align("scales", scales, 16)?;
-    check_align("y", y, 2)?;
+pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
+    a.validate()?;
+    let (m, n, k, group_size) = (a.m, a.n, a.k, a.group_size);
     let dev = dev_of(s)?;
-    let (plan, f, reduce) = plan_for(dev, act, m, n, k, group_size)?;
+    let (plan, f, reduce) = plan_for(dev, a.act, m, n, k, group_size)?;
     let (splits, k_chunk) = (plan.splits, plan.k_chunk);
     let block_x = plan.block_n;
     let threads = plan.threads as u32;
@@ -779,9 +918,9 @@ pub unsafe fn w4a16_gemm_awq(
         },
         k_chunk as i32,
     );
-    let (mut px, mut pqw, mut pqz, mut psc) = (x, qweight, qzeros, scales);
+    let (mut px, mut pqw, mut pqz, mut psc) = (a.x, a.qweight, a.qzeros, a.scales);
     if splits == 1 {
-        let (mut out, mut split_out) = (y, 0i32);
+        let (mut out, mut split_out) = (a.y, 0i32);
         let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
         // SAFETY: parameter list matches w4a16_awq_<dt>_m<MT>.
         return unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) };
@@ -799,8 +938,8 @@ pub unsafe fn w4a16_gemm_awq(
             reduce,
             splits,
             m * n,
-            y,
-            (workspace, workspace_bytes),
+            a.y,
+            (a.workspace, a.workspace_bytes),
             s,
             &mut launch_partials,
         )
@@ -878,7 +1017,8 @@ impl GroupedGemv {
         [k * (n / 8), groups * (n / 8), groups * n]
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Checks dtype, sizes, strides and pointer alignment without touching the driver.
+    pub fn validate(&self) -> Result<()> {
         if !matches!(self.act, DType::F16 | DType::Bf16) {
             return Err(CudaError::arg(
                 "act",
@@ -1456,6 +1596,258 @@ mod tests {
             r,
             Err(CudaError::InvalidArgument { name: "rows", .. })
         ));
+    }
+
+    /// The argument an `InvalidArgument` error names (any other outcome fails the test).
+    fn refused(r: Result<()>) -> &'static str {
+        match r {
+            Err(CudaError::InvalidArgument { name, .. }) => name,
+            other => panic!("expected an invalid argument, got {other:?}"),
+        }
+    }
+
+    fn spec(bits: u8, group_size: usize) -> GridSpec {
+        GridSpec {
+            bits,
+            group_size,
+            symmetric: false,
+        }
+    }
+
+    #[test]
+    fn grid_args_are_validated_before_the_driver() {
+        let a = QmetaGrid {
+            x: 256,
+            dtype: DType::F32,
+            rows: 16,
+            cols: 300,
+            spec: spec(4, 128),
+            qmeta: 256,
+        };
+        assert!(a.validate().is_ok());
+        assert_eq!(refused(QmetaGrid { rows: 0, ..a }.validate()), "rows");
+        assert_eq!(refused(QmetaGrid { cols: 0, ..a }.validate()), "cols");
+        assert_eq!(refused(QmetaGrid { cols: 1 << 31, ..a }.validate()), "cols");
+        assert_eq!(
+            refused(
+                QmetaGrid {
+                    spec: spec(4, 100),
+                    ..a
+                }
+                .validate()
+            ),
+            "spec"
+        );
+        assert_eq!(refused(QmetaGrid { x: 258, ..a }.validate()), "x");
+        let bf16_at_2 = QmetaGrid {
+            dtype: DType::Bf16,
+            x: 258,
+            ..a
+        };
+        assert!(bf16_at_2.validate().is_ok());
+        assert_eq!(refused(QmetaGrid { qmeta: 0, ..a }.validate()), "qmeta");
+        // The launches refuse them too, whatever the machine; the MSE spec is checked
+        // before the driver as well.
+        let s = Stream::default();
+        unsafe {
+            assert_eq!(refused(qmeta_range(&QmetaGrid { rows: 0, ..a }, s)), "rows");
+            let mse = MseSpec::default();
+            assert_eq!(refused(qmeta_mse(&QmetaGrid { x: 0, ..a }, &mse, s)), "x");
+            let no_grid = MseSpec { n_grid: 0, ..mse };
+            assert_eq!(refused(qmeta_mse(&a, &no_grid, s)), "mse");
+        }
+    }
+
+    fn packed_out() -> PackedOut {
+        PackedOut {
+            qweight: 256,
+            qzeros: 256,
+            scales: 256,
+        }
+    }
+
+    fn quantize_pack_args() -> QuantizePack {
+        QuantizePack {
+            w: 256,
+            dtype: DType::Bf16,
+            n: 512,
+            k: 256,
+            qmeta: 256,
+            spec: spec(4, 128),
+        }
+    }
+
+    fn pack_codes_args() -> PackCodes {
+        PackCodes {
+            codes: 256,
+            qmeta: 256,
+            n: 512,
+            k: 256,
+            spec: spec(4, 128),
+        }
+    }
+
+    #[test]
+    fn pack_args_are_validated_before_the_driver() {
+        let (a, c, out) = (quantize_pack_args(), pack_codes_args(), packed_out());
+        assert!(a.validate().is_ok() && c.validate().is_ok() && out.validate().is_ok());
+        let s = Stream::default();
+
+        // Shapes and grid, the same for both inputs.
+        assert_eq!(refused(QuantizePack { k: 200, ..a }.validate()), "k");
+        assert_eq!(refused(PackCodes { k: 200, ..c }.validate()), "k");
+        assert_eq!(refused(QuantizePack { k: 0, ..a }.validate()), "k");
+        assert_eq!(refused(PackCodes { n: 0, ..c }.validate()), "n");
+        assert_eq!(refused(QuantizePack { n: 12, ..a }.validate()), "n");
+        assert_eq!(refused(PackCodes { n: 1 << 31, ..c }.validate()), "n");
+        let three_bits = spec(3, 128);
+        assert_eq!(
+            refused(
+                QuantizePack {
+                    spec: three_bits,
+                    ..a
+                }
+                .validate()
+            ),
+            "spec"
+        );
+        assert_eq!(
+            refused(
+                PackCodes {
+                    spec: spec(4, 100),
+                    ..c
+                }
+                .validate()
+            ),
+            "spec"
+        );
+
+        // Pointers.
+        assert_eq!(refused(QuantizePack { w: 0, ..a }.validate()), "w");
+        assert_eq!(refused(QuantizePack { w: 264, ..a }.validate()), "w");
+        let f32_at_16 = QuantizePack {
+            dtype: DType::F32,
+            w: 272,
+            ..a
+        };
+        assert_eq!(refused(f32_at_16.validate()), "w");
+        assert_eq!(
+            refused(QuantizePack { qmeta: 258, ..a }.validate()),
+            "qmeta"
+        );
+        assert_eq!(refused(PackCodes { codes: 0, ..c }.validate()), "codes");
+        assert_eq!(refused(PackCodes { qmeta: 0, ..c }.validate()), "qmeta");
+        assert_eq!(
+            refused(PackedOut { qweight: 0, ..out }.validate()),
+            "qweight"
+        );
+        assert_eq!(
+            refused(PackedOut { qzeros: 258, ..out }.validate()),
+            "qzeros"
+        );
+        assert_eq!(
+            refused(PackedOut { scales: 257, ..out }.validate()),
+            "scales"
+        );
+
+        // The launches refuse them too, whatever the machine, and check what only they
+        // need: 8-byte qweight stores of the fused kernel, 8-byte code loads of the AWQ
+        // pack, an aligned flag for the GPTQ pack.
+        unsafe {
+            let bad_a = QuantizePack { k: 200, ..a };
+            assert_eq!(refused(awq_quantize_pack(&bad_a, &out, s)), "k");
+            let bad_out = PackedOut { scales: 0, ..out };
+            assert_eq!(refused(awq_quantize_pack(&a, &bad_out, s)), "scales");
+            let qweight_at_4 = PackedOut {
+                qweight: 260,
+                ..out
+            };
+            assert!(qweight_at_4.validate().is_ok());
+            assert_eq!(refused(awq_quantize_pack(&a, &qweight_at_4, s)), "qweight");
+
+            let bad_c = PackCodes { n: 0, ..c };
+            assert_eq!(refused(awq_pack_codes(&bad_c, &out, s)), "n");
+            assert_eq!(refused(gptq_pack_codes(&bad_c, &out, 0, s)), "n");
+            assert_eq!(refused(awq_pack_codes(&c, &bad_out, s)), "scales");
+            assert_eq!(refused(gptq_pack_codes(&c, &bad_out, 0, s)), "scales");
+            let codes_at_1 = PackCodes { codes: 257, ..c };
+            assert!(codes_at_1.validate().is_ok());
+            assert_eq!(refused(awq_pack_codes(&codes_at_1, &out, s)), "codes");
+            assert_eq!(refused(gptq_pack_codes(&c, &out, 258, s)), "bad_flag");
+        }
+    }
+
+    /// The pack launches accept exactly the shapes the CPU packers accept.
+    #[test]
+    fn pack_shape_checks_match_forge_core() {
+        for sp in [
+            spec(4, 128),
+            spec(4, 32),
+            spec(3, 128),
+            spec(4, 100),
+            spec(8, 64),
+        ] {
+            for n in [0usize, 8, 12, 40, 512] {
+                for k in [0usize, 32, 64, 128, 200, 256] {
+                    let core = forge_core::pack::check_pack_shape(k, n, &sp).is_ok();
+                    assert_eq!(check_pack_shape(n, k, &sp).is_ok(), core, "{sp:?} {n} {k}");
+                }
+            }
+        }
+    }
+
+    fn gemm_args() -> W4a16Gemm {
+        W4a16Gemm {
+            x: 256,
+            act: DType::F16,
+            m: 4,
+            n: 512,
+            k: 256,
+            group_size: 128,
+            qweight: 256,
+            qzeros: 256,
+            scales: 256,
+            y: 256,
+            workspace: 0,
+            workspace_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn gemm_args_are_validated_before_the_driver() {
+        let a = gemm_args();
+        assert!(a.validate().is_ok());
+        let bad = |b: W4a16Gemm| refused(b.validate());
+        assert_eq!(
+            bad(W4a16Gemm {
+                act: DType::F32,
+                ..a
+            }),
+            "act"
+        );
+        assert_eq!(bad(W4a16Gemm { m: 0, ..a }), "m");
+        assert_eq!(bad(W4a16Gemm { group_size: 0, ..a }), "group_size");
+        assert_eq!(
+            bad(W4a16Gemm {
+                group_size: 48,
+                ..a
+            }),
+            "group_size"
+        );
+        assert_eq!(bad(W4a16Gemm { k: 0, ..a }), "k");
+        assert_eq!(bad(W4a16Gemm { k: 320, ..a }), "k");
+        assert_eq!(bad(W4a16Gemm { n: 0, ..a }), "n");
+        assert_eq!(bad(W4a16Gemm { n: 40, ..a }), "n");
+        assert_eq!(bad(W4a16Gemm { m: 1 << 31, ..a }), "m");
+        assert_eq!(bad(W4a16Gemm { x: 0, ..a }), "x");
+        assert_eq!(bad(W4a16Gemm { x: 264, ..a }), "x");
+        assert_eq!(bad(W4a16Gemm { qweight: 264, ..a }), "qweight");
+        assert_eq!(bad(W4a16Gemm { qzeros: 258, ..a }), "qzeros");
+        assert_eq!(bad(W4a16Gemm { scales: 264, ..a }), "scales");
+        assert_eq!(bad(W4a16Gemm { y: 257, ..a }), "y");
+        // The launch itself rejects them too, whatever the machine.
+        let r = unsafe { w4a16_gemm_awq(&W4a16Gemm { k: 320, ..a }, Stream::default()) };
+        assert_eq!(refused(r), "k");
     }
 
     #[test]

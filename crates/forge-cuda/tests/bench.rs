@@ -52,24 +52,21 @@ fn bench_all() {
                 .collect();
             let x = DeviceBuf::from_slice(0, &xs).unwrap();
             let y = DeviceBuf::zeroed(0, m * n * 2).unwrap();
-            unsafe {
-                ops::w4a16_gemm_awq(
-                    x.ptr(),
-                    DType::F16,
-                    m,
-                    k,
-                    n,
-                    g,
-                    qw.ptr(),
-                    qz.ptr(),
-                    sc.ptr(),
-                    y.ptr(),
-                    0,
-                    0,
-                    S,
-                )
-            }
-            .unwrap();
+            let a = ops::W4a16Gemm {
+                x: x.ptr(),
+                act: DType::F16,
+                m,
+                n,
+                k,
+                group_size: g,
+                qweight: qw.ptr(),
+                qzeros: qz.ptr(),
+                scales: sc.ptr(),
+                y: y.ptr(),
+                workspace: 0,
+                workspace_bytes: 0,
+            };
+            unsafe { ops::w4a16_gemm_awq(&a, S) }.unwrap();
             forge_cuda::synchronize(0).unwrap();
         }
         return;
@@ -117,24 +114,21 @@ fn bench_all() {
                 let y = DeviceBuf::zeroed(0, m * n * 2).unwrap();
                 let wsb = ops::w4a16_workspace_bytes(0, m, n, k, g).unwrap();
                 let ws = DeviceBuf::zeroed(0, wsb.max(16)).unwrap();
-                let ms = time_ms(0, 0, 20, 50, || unsafe {
-                    ops::w4a16_gemm_awq(
-                        x.ptr(),
-                        act,
-                        m,
-                        k,
-                        n,
-                        g,
-                        qw.ptr(),
-                        qz.ptr(),
-                        sc.ptr(),
-                        y.ptr(),
-                        ws.ptr(),
-                        wsb,
-                        S,
-                    )
-                })
-                .unwrap();
+                let a = ops::W4a16Gemm {
+                    x: x.ptr(),
+                    act,
+                    m,
+                    n,
+                    k,
+                    group_size: g,
+                    qweight: qw.ptr(),
+                    qzeros: qz.ptr(),
+                    scales: sc.ptr(),
+                    y: y.ptr(),
+                    workspace: ws.ptr(),
+                    workspace_bytes: wsb,
+                };
+                let ms = time_ms(0, 0, 20, 50, || unsafe { ops::w4a16_gemm_awq(&a, S) }).unwrap();
                 let tb = wbytes / (ms as f64 * 1e-3) / 1e12;
                 let tf = 2.0 * (m * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
                 println!(
@@ -166,11 +160,16 @@ fn bench_all() {
     )
     .unwrap();
     let qm = DeviceBuf::zeroed(0, n * k / 128 * 4).unwrap();
-    unsafe { ops::qmeta_range(w.ptr(), DType::Bf16, n, k, &spec, qm.ptr(), S) }.unwrap();
-    let ms_range = time_ms(0, 0, 2, 10, || unsafe {
-        ops::qmeta_range(w.ptr(), DType::Bf16, n, k, &spec, qm.ptr(), S)
-    })
-    .unwrap();
+    let grid = ops::QmetaGrid {
+        x: w.ptr(),
+        dtype: DType::Bf16,
+        rows: n,
+        cols: k,
+        spec,
+        qmeta: qm.ptr(),
+    };
+    unsafe { ops::qmeta_range(&grid, S) }.unwrap();
+    let ms_range = time_ms(0, 0, 2, 10, || unsafe { ops::qmeta_range(&grid, S) }).unwrap();
     let rb = (n * k * 2 + n * k / 128 * 4) as f64;
     println!(
         "BENCH qmeta_range bf16 {n}x{k}: {:.1} us, {:.2} TB/s",
@@ -178,10 +177,7 @@ fn bench_all() {
         rb / (ms_range as f64 * 1e-3) / 1e12
     );
     let mse = forge_core::grid::MseSpec::default();
-    let ms_mse = time_ms(0, 0, 1, 3, || unsafe {
-        ops::qmeta_mse(w.ptr(), DType::Bf16, n, k, &spec, &mse, qm.ptr(), S)
-    })
-    .unwrap();
+    let ms_mse = time_ms(0, 0, 1, 3, || unsafe { ops::qmeta_mse(&grid, &mse, S) }).unwrap();
     println!(
         "BENCH qmeta_mse bf16 {n}x{k} (100 candidates, norm 2.4): {:.1} us",
         ms_mse * 1e3
@@ -189,19 +185,21 @@ fn bench_all() {
     let qw = DeviceBuf::zeroed(0, k * n / 2).unwrap();
     let qz = DeviceBuf::zeroed(0, k / 128 * n / 2).unwrap();
     let sc = DeviceBuf::zeroed(0, k / 128 * n * 2).unwrap();
+    let a = ops::QuantizePack {
+        w: w.ptr(),
+        dtype: DType::Bf16,
+        n,
+        k,
+        qmeta: qm.ptr(),
+        spec,
+    };
+    let out = ops::PackedOut {
+        qweight: qw.ptr(),
+        qzeros: qz.ptr(),
+        scales: sc.ptr(),
+    };
     let ms = time_ms(0, 0, 3, 20, || unsafe {
-        ops::awq_quantize_pack(
-            w.ptr(),
-            DType::Bf16,
-            n,
-            k,
-            qm.ptr(),
-            &spec,
-            qw.ptr(),
-            qz.ptr(),
-            sc.ptr(),
-            S,
-        )
+        ops::awq_quantize_pack(&a, &out, S)
     })
     .unwrap();
     let moved =

@@ -105,7 +105,15 @@ fn grid_case<T: Host>(rows: usize, cols: usize, spec: &GridSpec, mse: Option<&Ms
     let ng = spec.groups(cols);
     let dx = DeviceBuf::from_slice(0, &x).unwrap();
     let dq = DeviceBuf::zeroed(0, rows * ng * 4).unwrap();
-    unsafe { ops::qmeta_range(dx.ptr(), T::DT, rows, cols, spec, dq.ptr(), S) }.unwrap();
+    let grid = ops::QmetaGrid {
+        x: dx.ptr(),
+        dtype: T::DT,
+        rows,
+        cols,
+        spec: *spec,
+        qmeta: dq.ptr(),
+    };
+    unsafe { ops::qmeta_range(&grid, S) }.unwrap();
     synchronize(0).unwrap();
     let gpu_range: Vec<u32> = dq.download().unwrap();
     let cpu_range = u32s_of(&cpu);
@@ -128,7 +136,7 @@ fn grid_case<T: Host>(rows: usize, cols: usize, spec: &GridSpec, mse: Option<&Ms
     );
     if let Some(mse) = mse {
         refine_mse(&x, rows, cols, spec, mse, &mut cpu).expect("cpu mse");
-        unsafe { ops::qmeta_mse(dx.ptr(), T::DT, rows, cols, spec, mse, dq.ptr(), S) }.unwrap();
+        unsafe { ops::qmeta_mse(&grid, mse, S) }.unwrap();
         synchronize(0).unwrap();
         let g: Vec<u32> = dq.download().unwrap();
         let c = u32s_of(&cpu);
@@ -198,21 +206,20 @@ fn qpack_case<T: Host>(n: usize, k: usize, spec: &GridSpec, seed: u64) {
     let qw = DeviceBuf::zeroed(0, k * n / 8 * 4).unwrap();
     let qz = DeviceBuf::zeroed(0, ng * n / 8 * 4).unwrap();
     let sc = DeviceBuf::zeroed(0, ng * n * 2).unwrap();
-    unsafe {
-        ops::awq_quantize_pack(
-            dw.ptr(),
-            T::DT,
-            n,
-            k,
-            dm.ptr(),
-            spec,
-            qw.ptr(),
-            qz.ptr(),
-            sc.ptr(),
-            S,
-        )
-    }
-    .unwrap();
+    let a = ops::QuantizePack {
+        w: dw.ptr(),
+        dtype: T::DT,
+        n,
+        k,
+        qmeta: dm.ptr(),
+        spec: *spec,
+    };
+    let out = ops::PackedOut {
+        qweight: qw.ptr(),
+        qzeros: qz.ptr(),
+        scales: sc.ptr(),
+    };
+    unsafe { ops::awq_quantize_pack(&a, &out, S) }.unwrap();
     synchronize(0).unwrap();
     assert_eq!(
         qw.download::<i32>().unwrap(),
@@ -287,20 +294,19 @@ fn pack_codes_bit_exact() {
         let qw = DeviceBuf::zeroed(0, k * n / 8 * 4).unwrap();
         let qz = DeviceBuf::zeroed(0, ng * n / 8 * 4).unwrap();
         let sc = DeviceBuf::zeroed(0, ng * n * 2).unwrap();
-        unsafe {
-            ops::awq_pack_codes(
-                dc.ptr(),
-                dm.ptr(),
-                k,
-                n,
-                &spec,
-                qw.ptr(),
-                qz.ptr(),
-                sc.ptr(),
-                S,
-            )
-        }
-        .unwrap();
+        let a = ops::PackCodes {
+            codes: dc.ptr(),
+            qmeta: dm.ptr(),
+            n,
+            k,
+            spec,
+        };
+        let out = ops::PackedOut {
+            qweight: qw.ptr(),
+            qzeros: qz.ptr(),
+            scales: sc.ptr(),
+        };
+        unsafe { ops::awq_pack_codes(&a, &out, S) }.unwrap();
         synchronize(0).unwrap();
         assert_eq!(qw.download::<i32>().unwrap(), cpu.qweight);
         assert_eq!(qz.download::<i32>().unwrap(), cpu.qzeros);
@@ -311,21 +317,7 @@ fn pack_codes_bit_exact() {
 
         let cpu = forge_core::pack::pack_gptq(&codes, &qmeta, k, n, &spec).unwrap();
         let flag = DeviceBuf::zeroed(0, 4).unwrap();
-        unsafe {
-            ops::gptq_pack_codes(
-                dc.ptr(),
-                dm.ptr(),
-                k,
-                n,
-                &spec,
-                qw.ptr(),
-                qz.ptr(),
-                sc.ptr(),
-                flag.ptr(),
-                S,
-            )
-        }
-        .unwrap();
+        unsafe { ops::gptq_pack_codes(&a, &out, flag.ptr(), S) }.unwrap();
         synchronize(0).unwrap();
         let qwv: Vec<i32> = qw.download().unwrap();
         assert_eq!(&qwv[..k / 8 * n], &cpu.qweight[..]);
@@ -373,24 +365,21 @@ fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
     let qz = DeviceBuf::from_slice(0, &awq.qzeros).unwrap();
     let sc = DeviceBuf::from_slice(0, &awq.scales).unwrap();
     let dy = DeviceBuf::zeroed(0, m * n * 2).unwrap();
-    unsafe {
-        ops::w4a16_gemm_awq(
-            dx.ptr(),
-            act,
-            m,
-            k,
-            n,
-            g,
-            qw.ptr(),
-            qz.ptr(),
-            sc.ptr(),
-            dy.ptr(),
-            0,
-            0,
-            S,
-        )
-    }
-    .unwrap();
+    let a = ops::W4a16Gemm {
+        x: dx.ptr(),
+        act,
+        m,
+        n,
+        k,
+        group_size: g,
+        qweight: qw.ptr(),
+        qzeros: qz.ptr(),
+        scales: sc.ptr(),
+        y: dy.ptr(),
+        workspace: 0,
+        workspace_bytes: 0,
+    };
+    unsafe { ops::w4a16_gemm_awq(&a, S) }.unwrap();
     synchronize(0).unwrap();
     let y: Vec<u16> = dy.download().unwrap();
     // Tolerance: the weight rounding to the activation dtype plus the output rounding.

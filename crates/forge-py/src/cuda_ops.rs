@@ -54,14 +54,20 @@ pub fn build_quant_grid<'py>(
     w.require_finite_cuda()?;
     let (rows, cols) = (w.shape[0], w.shape[1]);
     let (out, ptr) = empty_on(py, &[rows, spec.groups(cols), 4], DType::U8, w)?;
+    let grid = cu::QmetaGrid {
+        x: w.ptr as u64,
+        dtype: cu_dtype(w),
+        rows,
+        cols,
+        spec: *spec,
+        qmeta: ptr,
+    };
     let s = stream_of(w)?;
     // SAFETY: pointers from live CUDA tensors of the checked shapes and dtypes.
     unsafe {
-        cu::qmeta_range(w.ptr as u64, cu_dtype(w), rows, cols, spec, ptr, s)
-            .map_err(|e| cuda_err(py, e))?;
+        cu::qmeta_range(&grid, s).map_err(|e| cuda_err(py, e))?;
         if let GridMode::Mse(m) = mode {
-            cu::qmeta_mse(w.ptr as u64, cu_dtype(w), rows, cols, spec, &m, ptr, s)
-                .map_err(|e| cuda_err(py, e))?;
+            cu::qmeta_mse(&grid, &m, s).map_err(|e| cuda_err(py, e))?;
         }
     }
     Ok(out)
@@ -69,17 +75,23 @@ pub fn build_quant_grid<'py>(
 
 type Three<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>);
 
+/// The AWQ tensors of an `n × k` linear, allocated on `like`'s device.
 fn awq_outputs<'py>(
     like: &Tensor<'py>,
-    k: usize,
     n: usize,
+    k: usize,
     g: usize,
-) -> PyResult<(Three<'py>, [u64; 3])> {
+) -> PyResult<(Three<'py>, cu::PackedOut)> {
     let py = like.obj.py();
-    let (qw, a) = empty_on(py, &[k, n / 8], DType::I32, like)?;
-    let (qz, b) = empty_on(py, &[k / g, n / 8], DType::I32, like)?;
-    let (sc, c) = empty_on(py, &[k / g, n], DType::F16, like)?;
-    Ok(((qw, qz, sc), [a, b, c]))
+    let (qw, qweight) = empty_on(py, &[k, n / 8], DType::I32, like)?;
+    let (qz, qzeros) = empty_on(py, &[k / g, n / 8], DType::I32, like)?;
+    let (sc, scales) = empty_on(py, &[k / g, n], DType::F16, like)?;
+    let ptrs = cu::PackedOut {
+        qweight,
+        qzeros,
+        scales,
+    };
+    Ok(((qw, qz, sc), ptrs))
 }
 
 /// Fused quantize + AWQ pack of a CUDA weight `(N, K)`.
@@ -91,24 +103,18 @@ pub fn quantize_pack_awq<'py>(
     let py = w.obj.py();
     qmeta.require_same_device(w)?;
     let (n, k) = (w.shape[0], w.shape[1]);
-    let (out, [a, b, c]) = awq_outputs(w, k, n, spec.group_size)?;
+    let (out, ptrs) = awq_outputs(w, n, k, spec.group_size)?;
+    let args = cu::QuantizePack {
+        w: w.ptr as u64,
+        dtype: cu_dtype(w),
+        n,
+        k,
+        qmeta: qmeta.ptr as u64,
+        spec: *spec,
+    };
     let s = stream_of(w)?;
     // SAFETY: live CUDA tensors of checked shapes.
-    unsafe {
-        cu::awq_quantize_pack(
-            w.ptr as u64,
-            cu_dtype(w),
-            n,
-            k,
-            qmeta.ptr as u64,
-            spec,
-            a,
-            b,
-            c,
-            s,
-        )
-    }
-    .map_err(|e| cuda_err(py, e))?;
+    unsafe { cu::awq_quantize_pack(&args, &ptrs, s) }.map_err(|e| cuda_err(py, e))?;
     Ok(out)
 }
 
@@ -133,11 +139,17 @@ pub fn pack_awq<'py>(
             format!("codes: must be <= 15, found {maxq}"),
         ));
     }
-    let (out, [a, b, c]) = awq_outputs(codes, k, n, spec.group_size)?;
+    let (out, ptrs) = awq_outputs(codes, n, k, spec.group_size)?;
+    let args = cu::PackCodes {
+        codes: codes.ptr as u64,
+        qmeta: qmeta.ptr as u64,
+        n,
+        k,
+        spec: *spec,
+    };
     let s = stream_of(codes)?;
     // SAFETY: live CUDA tensors of checked shapes.
-    unsafe { cu::awq_pack_codes(codes.ptr as u64, qmeta.ptr as u64, k, n, spec, a, b, c, s) }
-        .map_err(|e| cuda_err(py, e))?;
+    unsafe { cu::awq_pack_codes(&args, &ptrs, s) }.map_err(|e| cuda_err(py, e))?;
     Ok(out)
 }
 
@@ -166,25 +178,22 @@ pub fn awq_matmul<'py>(
     } else {
         (py.None().into_bound(py), 0)
     };
+    let args = cu::W4a16Gemm {
+        x: x.ptr as u64,
+        act: cu_dtype(x),
+        m,
+        n,
+        k,
+        group_size: g,
+        qweight: qweight.ptr as u64,
+        qzeros: qzeros.ptr as u64,
+        scales: scales.ptr as u64,
+        y: yp,
+        workspace: wsp,
+        workspace_bytes: ws_bytes,
+    };
     // SAFETY: live CUDA tensors of checked shapes; workspace of the size asked for.
-    unsafe {
-        cu::w4a16_gemm_awq(
-            x.ptr as u64,
-            cu_dtype(x),
-            m,
-            k,
-            n,
-            g,
-            qweight.ptr as u64,
-            qzeros.ptr as u64,
-            scales.ptr as u64,
-            yp,
-            wsp,
-            ws_bytes,
-            s,
-        )
-    }
-    .map_err(|e| cuda_err(py, e))?;
+    unsafe { cu::w4a16_gemm_awq(&args, s) }.map_err(|e| cuda_err(py, e))?;
     Ok(y)
 }
 
@@ -343,26 +352,28 @@ pub fn w4a16_launch(
             ));
         }
     }
-    let act = if bf16 {
-        cu::DType::Bf16
-    } else {
-        cu::DType::F16
+    let args = cu::W4a16Gemm {
+        x,
+        act: if bf16 {
+            cu::DType::Bf16
+        } else {
+            cu::DType::F16
+        },
+        m,
+        n,
+        k,
+        group_size,
+        qweight,
+        qzeros,
+        scales,
+        y,
+        workspace,
+        workspace_bytes,
     };
     // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
     unsafe {
         cu::w4a16_gemm_awq(
-            x,
-            act,
-            m,
-            k,
-            n,
-            group_size,
-            qweight,
-            qzeros,
-            scales,
-            y,
-            workspace,
-            workspace_bytes,
+            &args,
             cu::Stream {
                 device,
                 handle: stream,

@@ -84,26 +84,35 @@ impl CudaRtnQuantizer {
         let qzeros =
             DeviceBuf::zeroed(self.device, (k / spec.group_size) * n / 8 * 4).map_err(cuda)?;
         let scales = DeviceBuf::zeroed(self.device, (k / spec.group_size) * n * 2).map_err(cuda)?;
+        let grid = cu::QmetaGrid {
+            x: buf.ptr(),
+            dtype,
+            rows: n,
+            cols: k,
+            spec,
+            qmeta: qmeta.ptr(),
+        };
+        let args = cu::QuantizePack {
+            w: buf.ptr(),
+            dtype,
+            n,
+            k,
+            qmeta: qmeta.ptr(),
+            spec,
+        };
+        let out = cu::PackedOut {
+            qweight: qweight.ptr(),
+            qzeros: qzeros.ptr(),
+            scales: scales.ptr(),
+        };
         let s = cu::Stream::default_of(self.device);
         // SAFETY: every buffer is a live device allocation of the size the op requires.
         unsafe {
-            cu::qmeta_range(buf.ptr(), dtype, n, k, &spec, qmeta.ptr(), s).map_err(cuda)?;
+            cu::qmeta_range(&grid, s).map_err(cuda)?;
             if let GridMode::Mse(m) = self.mode {
-                cu::qmeta_mse(buf.ptr(), dtype, n, k, &spec, &m, qmeta.ptr(), s).map_err(cuda)?;
+                cu::qmeta_mse(&grid, &m, s).map_err(cuda)?;
             }
-            cu::awq_quantize_pack(
-                buf.ptr(),
-                dtype,
-                n,
-                k,
-                qmeta.ptr(),
-                &spec,
-                qweight.ptr(),
-                qzeros.ptr(),
-                scales.ptr(),
-                s,
-            )
-            .map_err(cuda)?;
+            cu::awq_quantize_pack(&args, &out, s).map_err(cuda)?;
         }
         synchronize(self.device).map_err(cuda)?;
         let scales: Vec<f16> = scales.download().map_err(cuda)?;
