@@ -45,6 +45,14 @@ __device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
 }
 __device__ __forceinline__ float e4m3_to_f32(u8 b) { return __uint_as_float(FORGE_E4M3_BITS[b]); }
 
+// FP8 block scales (DeepSeek's `weight_scale_inv`): element [r, c] of an F8_E4M3 weight is
+// e4m3(x[r, c]) * bs[(r / 128) * bcols + c / 128], one f32 multiply as
+// forge_io::Checkpoint::dequantized_f32 computes it (bit-identical). bs null: no scale.
+#define FORGE_FP8_BLOCK 128
+__device__ __forceinline__ float block_scale(const float* bs, int bcols, i64 r, i64 c) {
+    return bs[(r / FORGE_FP8_BLOCK) * bcols + c / FORGE_FP8_BLOCK];
+}
+
 template <int DT> struct Elem;
 template <> struct Elem<FORGE_DT_F32> {
     typedef float T;

@@ -16,7 +16,7 @@ __device__ __forceinline__ float mse_candidate(int ci, int n_grid, float max_shr
 
 template <int DT>
 __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int rows, int cols, int G,
-                                                 int bits, int symmetric) {
+                                                 int bits, int symmetric, const float* bs, int bcols) {
     const int lane = threadIdx.x & 31;
     const i64 gid = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int ng = (cols + G - 1) / G;
@@ -27,6 +27,7 @@ __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int 
     for (int i = lane; i < G; i += 32) {
         int c = g * G + i;
         float v = c < cols ? Elem<DT>::load(x, r * cols + c) : 0.0f;
+        if (bs != nullptr && c < cols) v = v * block_scale(bs, bcols, r, c);
         mn = fminf(mn, v);
         mx = fmaxf(mx, v);
     }
@@ -64,7 +65,8 @@ __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int 
 // memory (G <= 1024, blockDim 128 => 4 groups per block).
 template <int DT>
 __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int rows, int cols, int G,
-                                               int bits, int n_grid, float norm, float max_shrink) {
+                                               int bits, int n_grid, float norm, float max_shrink,
+                                               const float* bs, int bcols) {
     extern __shared__ float sm_grp[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -76,7 +78,9 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
     float* buf = sm_grp + warp * G;
     for (int i = lane; i < G; i += 32) {
         int c = g * G + i;
-        buf[i] = c < cols ? Elem<DT>::load(x, r * cols + c) : 0.0f;
+        float v = c < cols ? Elem<DT>::load(x, r * cols + c) : 0.0f;
+        if (bs != nullptr && c < cols) v = v * block_scale(bs, bcols, r, c);
+        buf[i] = v;
     }
     __syncwarp();
     const u32 meta = qmeta[gid];
@@ -119,12 +123,13 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
 
 #define FORGE_GRID_ENTRIES(SUF, DT)                                                                    \
     extern "C" __global__ void qmeta_range_##SUF(const void* x, u32* qmeta, int rows, int cols, int G,  \
-                                                  int bits, int symmetric) {                            \
-        qmeta_range_impl<DT>(x, qmeta, rows, cols, G, bits, symmetric);                                 \
+                                                  int bits, int symmetric, const float* bs, int bcols) { \
+        qmeta_range_impl<DT>(x, qmeta, rows, cols, G, bits, symmetric, bs, bcols);                      \
     }                                                                                                  \
     extern "C" __global__ void qmeta_mse_##SUF(const void* x, u32* qmeta, int rows, int cols, int G,    \
-                                                int bits, int n_grid, float norm, float max_shrink) {   \
-        qmeta_mse_impl<DT>(x, qmeta, rows, cols, G, bits, n_grid, norm, max_shrink);                    \
+                                                int bits, int n_grid, float norm, float max_shrink,     \
+                                                const float* bs, int bcols) {                           \
+        qmeta_mse_impl<DT>(x, qmeta, rows, cols, G, bits, n_grid, norm, max_shrink, bs, bcols);         \
     }
 
 FORGE_GRID_ENTRIES(f32, FORGE_DT_F32)

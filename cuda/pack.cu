@@ -31,7 +31,8 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
 
 template <int DT>
 __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qmeta, u32* qweight, u32* qzeros,
-                                                    u16* scales, int N, int K, int G, int bits) {
+                                                    u16* scales, int N, int K, int G, int bits, const float* bs,
+                                                    int bcols) {
     __shared__ __align__(16) u8 codes[QP_BK * QP_STRIDE];  // codes[k][n]
     const int tid = threadIdx.x;
     const int n0 = blockIdx.y * QP_BN;
@@ -47,6 +48,11 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
         if (n < N) {
             float v[8];
             load8<DT>(w, (i64)n * K + k0 + 8 * kc, v);
+            if (bs != nullptr) {  // 8 consecutive k (k % 8 == 0) share one 128-wide block
+                const float sc = block_scale(bs, bcols, n, k0 + 8 * kc);
+#pragma unroll
+                for (int j = 0; j < 8; j++) v[j] = v[j] * sc;
+            }
             GroupParams p = qmeta_params(qmeta[(i64)n * ng + grp], bits);
 #pragma unroll
             for (int j = 0; j < 8; j++) codes[(8 * kc + j) * QP_STRIDE + nl] = (u8)quant_code(v[j], p);
@@ -84,8 +90,8 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
 #define FORGE_QPACK_ENTRY(SUF, DT)                                                                       \
     extern "C" __global__ void __launch_bounds__(256) awq_quant_pack_##SUF(                              \
         const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K, int G,     \
-        int bits) {                                                                                      \
-        awq_quant_pack_impl<DT>(w, qmeta, qweight, qzeros, scales, N, K, G, bits);                      \
+        int bits, const float* bs, int bcols) {                                                          \
+        awq_quant_pack_impl<DT>(w, qmeta, qweight, qzeros, scales, N, K, G, bits, bs, bcols);           \
     }
 FORGE_QPACK_ENTRY(f32, FORGE_DT_F32)
 FORGE_QPACK_ENTRY(f16, FORGE_DT_F16)

@@ -198,7 +198,7 @@ def test_quantize_model_on_cuda_is_byte_identical(tmp_path):
 
     bf16 = make_model("deepseek", tmp_path / "src")
     fp8 = make_fp8_variant(bf16, tmp_path / "src-fp8")
-    for src, grid in ((bf16, "range"), (bf16, "mse"), (fp8, "range")):
+    for src, grid in ((bf16, "range"), (bf16, "mse"), (fp8, "range"), (fp8, "mse")):
         cpu, gpu = tmp_path / f"cpu-{src.name}-{grid}", tmp_path / f"gpu-{src.name}-{grid}"
         forge.quantize_model(src, cpu, grid=grid, group_size=32, progress=False)
         forge.quantize_model(src, gpu, grid=grid, group_size=32, progress=False, device="cuda")

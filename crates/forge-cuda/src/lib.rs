@@ -26,7 +26,7 @@
 //!     let x = DeviceBuf::from_slice(0, &vec![0.5f32; rows * cols]).unwrap();
 //!     let q = DeviceBuf::zeroed(0, rows * cols / 128 * 4).unwrap();
 //!     let spec = GridSpec { bits: 4, group_size: 128, symmetric: false };
-//!     let grid = ops::QmetaGrid { x: x.ptr(), dtype: DType::F32, rows, cols, spec, qmeta: q.ptr() };
+//!     let grid = ops::QmetaGrid { x: x.ptr(), dtype: DType::F32, rows, cols, spec, qmeta: q.ptr(), block_scale: 0 };
 //!     unsafe { ops::qmeta_range(&grid, Stream::default()) }.unwrap();
 //!     let qmeta: Vec<u32> = q.download().unwrap();
 //! }
@@ -77,6 +77,7 @@ mod tests {
             cols: 128,
             spec,
             qmeta: 256,
+            block_scale: 0,
         };
         let r = unsafe { ops::qmeta_range(&grid, Stream::default()) };
         assert!(r.is_err());
@@ -130,6 +131,7 @@ mod tests {
             cols: 128,
             spec,
             qmeta: 256,
+            block_scale: 0,
         };
         let r = unsafe { ops::qmeta_range(&grid, Stream::default()) };
         assert!(matches!(
@@ -144,6 +146,7 @@ mod tests {
             k: 128,
             qmeta: 256,
             spec,
+            block_scale: 0,
         };
         let out = ops::PackedOut {
             qweight: 256,

@@ -128,6 +128,27 @@ fn dev_of(s: Stream) -> Result<&'static Device> {
 // ---------------------------------------------------------------------------------------
 // (a) qmeta grids
 
+/// Side of DeepSeek's FP8 weight blocks. An F8_E4M3 weight `[R, C]` with block scales
+/// (`weight_scale_inv`, f32 `[ceil(R/128), ceil(C/128)]`, row-major, 4-byte aligned) is read
+/// by the grid and fused pack launches as `e4m3(x[r, c]) · scale[r/128, c/128]`, one f32
+/// multiply, exactly as `forge_io::Checkpoint::dequantized_f32` computes it: the FP8 bytes
+/// go to the GPU as they are stored, never widened to f32 on the host.
+pub const FP8_BLOCK: usize = 128;
+
+fn check_block_scale(ptr: u64, dtype: DType) -> Result<()> {
+    if ptr == 0 {
+        return Ok(());
+    }
+    if dtype != DType::F8E4M3 {
+        return Err(CudaError::arg(
+            "block_scale",
+            "0 unless the weight is F8_E4M3",
+            format!("{dtype:?}"),
+        ));
+    }
+    check_align("block_scale", ptr, 4)
+}
+
 /// Arguments of [`qmeta_range`] and [`qmeta_mse`]: the qmeta4 grid of a matrix, one group
 /// of `spec.group_size` columns at a time (for a weight: `rows` = `n` out features, `cols`
 /// = `k` in features).
@@ -148,6 +169,8 @@ pub struct QmetaGrid {
     /// u32 `[rows, ceil(cols/G)]` qmeta4 words, 4-byte aligned: written by [`qmeta_range`],
     /// refined in place by [`qmeta_mse`].
     pub qmeta: u64,
+    /// FP8 block scales (see [`FP8_BLOCK`]) or 0 for none.
+    pub block_scale: u64,
 }
 
 impl QmetaGrid {
@@ -161,6 +184,7 @@ impl QmetaGrid {
         self.groups()?;
         check_align("x", self.x, self.dtype.size() as u64)?;
         check_align("qmeta", self.qmeta, 4)?;
+        check_block_scale(self.block_scale, self.dtype)?;
         Ok(())
     }
 
@@ -190,7 +214,8 @@ pub unsafe fn qmeta_range(a: &QmetaGrid, s: Stream) -> Result<()> {
         to_i32("group_size", a.spec.group_size)?,
     );
     let (mut bits, mut sym) = (a.spec.bits as i32, a.spec.symmetric as i32);
-    let mut p = args!(px, pq, r, c, g, bits, sym);
+    let (mut bs, mut bcols) = (a.block_scale, to_i32("cols", a.cols.div_ceil(FP8_BLOCK))?);
+    let mut p = args!(px, pq, r, c, g, bits, sym, bs, bcols);
     // SAFETY: parameter list matches qmeta_range_<dt>; pointers per the caller's contract.
     unsafe { launch(dev, f, (grid, 1, 1), (256, 1, 1), 0, s.handle, &mut p) }
 }
@@ -220,7 +245,8 @@ pub unsafe fn qmeta_mse(a: &QmetaGrid, mse: &MseSpec, s: Stream) -> Result<()> {
     );
     let (mut bits, mut ng, mut norm, mut shrink) =
         (a.spec.bits as i32, n_grid, mse.norm, mse.max_shrink);
-    let mut p = args!(px, pq, r, c, g, bits, ng, norm, shrink);
+    let (mut bs, mut bcols) = (a.block_scale, to_i32("cols", a.cols.div_ceil(FP8_BLOCK))?);
+    let mut p = args!(px, pq, r, c, g, bits, ng, norm, shrink, bs, bcols);
     // SAFETY: parameter list matches qmeta_mse_<dt>.
     unsafe { launch(dev, f, (grid, 1, 1), (128, 1, 1), smem, s.handle, &mut p) }
 }
@@ -304,6 +330,8 @@ pub struct QuantizePack {
     pub qmeta: u64,
     /// The grid's spec: 4 bits, group size `G`.
     pub spec: GridSpec,
+    /// FP8 block scales of `w` (see [`FP8_BLOCK`]) or 0 for none.
+    pub block_scale: u64,
 }
 
 impl QuantizePack {
@@ -313,6 +341,7 @@ impl QuantizePack {
         check_pack_shape(self.n, self.k, &self.spec)?;
         check_align("w", self.w, if self.dtype == DType::F32 { 32 } else { 16 })?;
         check_align("qmeta", self.qmeta, 4)?;
+        check_block_scale(self.block_scale, self.dtype)?;
         Ok(())
     }
 }
@@ -369,7 +398,8 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
         spec.group_size as i32,
         spec.bits as i32,
     );
-    let mut p = args!(pw, pm, pqw, pqz, psc, nn, kk, g, bits);
+    let (mut bs, mut bcols) = (a.block_scale, to_i32("k", k.div_ceil(FP8_BLOCK))?);
+    let mut p = args!(pw, pm, pqw, pqz, psc, nn, kk, g, bits, bs, bcols);
     let grid = (blocks(k, 32)?, blocks(n, 256)?, 1);
     // SAFETY: parameter list matches awq_quant_pack_<dt>.
     unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
@@ -1623,6 +1653,7 @@ mod tests {
             cols: 300,
             spec: spec(4, 128),
             qmeta: 256,
+            block_scale: 0,
         };
         assert!(a.validate().is_ok());
         assert_eq!(refused(QmetaGrid { rows: 0, ..a }.validate()), "rows");
@@ -1646,6 +1677,33 @@ mod tests {
         };
         assert!(bf16_at_2.validate().is_ok());
         assert_eq!(refused(QmetaGrid { qmeta: 0, ..a }.validate()), "qmeta");
+        // FP8 block scales: only with an F8_E4M3 weight, 4-byte aligned.
+        assert_eq!(
+            refused(
+                QmetaGrid {
+                    block_scale: 512,
+                    ..a
+                }
+                .validate()
+            ),
+            "block_scale"
+        );
+        let fp8 = QmetaGrid {
+            dtype: DType::F8E4M3,
+            block_scale: 512,
+            ..a
+        };
+        assert!(fp8.validate().is_ok());
+        assert_eq!(
+            refused(
+                QmetaGrid {
+                    block_scale: 514,
+                    ..fp8
+                }
+                .validate()
+            ),
+            "block_scale"
+        );
         // The launches refuse them too, whatever the machine; the MSE spec is checked
         // before the driver as well.
         let s = Stream::default();
@@ -1674,6 +1732,7 @@ mod tests {
             k: 256,
             qmeta: 256,
             spec: spec(4, 128),
+            block_scale: 0,
         }
     }
 

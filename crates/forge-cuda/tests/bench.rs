@@ -167,6 +167,7 @@ fn bench_all() {
         cols: k,
         spec,
         qmeta: qm.ptr(),
+        block_scale: 0,
     };
     unsafe { ops::qmeta_range(&grid, S) }.unwrap();
     let ms_range = time_ms(0, 0, 2, 10, || unsafe { ops::qmeta_range(&grid, S) }).unwrap();
@@ -192,6 +193,7 @@ fn bench_all() {
         k,
         qmeta: qm.ptr(),
         spec,
+        block_scale: 0,
     };
     let out = ops::PackedOut {
         qweight: qw.ptr(),
@@ -207,6 +209,48 @@ fn bench_all() {
     let bw = moved / (ms as f64 * 1e-3) / 1e12;
     println!(
         "BENCH awq_quantize_pack bf16 {n}x{k}: {:.1} us, {:.2} TB/s = {:.0}% of d2d copy",
+        ms * 1e3,
+        bw,
+        100.0 * bw / copy_bw
+    );
+
+    // The same from FP8 bytes with DeepSeek's 128x128 block scales, as the streaming run
+    // uploads them (no f32 copy of the weight on the host or the device).
+    let w8 = DeviceBuf::from_slice(
+        0,
+        &rand_bytes(n * k, 5)
+            .iter()
+            .map(|b| b & 0x77) // finite E4M3 (|x| <= 240)
+            .collect::<Vec<u8>>(),
+    )
+    .unwrap();
+    let bs = DeviceBuf::from_slice(0, &vec![0.01f32; n.div_ceil(128) * k.div_ceil(128)]).unwrap();
+    let grid8 = ops::QmetaGrid {
+        x: w8.ptr(),
+        dtype: DType::F8E4M3,
+        block_scale: bs.ptr(),
+        ..grid
+    };
+    unsafe { ops::qmeta_range(&grid8, S) }.unwrap();
+    let a8 = ops::QuantizePack {
+        w: w8.ptr(),
+        dtype: DType::F8E4M3,
+        block_scale: bs.ptr(),
+        ..a
+    };
+    let ms = time_ms(0, 0, 3, 20, || unsafe {
+        ops::awq_quantize_pack(&a8, &out, S)
+    })
+    .unwrap();
+    let moved = (n * k
+        + n * k / 128 / 128 * 4
+        + n * k / 128 * 4
+        + k * n / 2
+        + k / 128 * n / 2
+        + k / 128 * n * 2) as f64;
+    let bw = moved / (ms as f64 * 1e-3) / 1e12;
+    println!(
+        "BENCH awq_quantize_pack fp8+block scales {n}x{k}: {:.1} us, {:.2} TB/s = {:.0}% of d2d copy",
         ms * 1e3,
         bw,
         100.0 * bw / copy_bw

@@ -112,6 +112,7 @@ fn grid_case<T: Host>(rows: usize, cols: usize, spec: &GridSpec, mse: Option<&Ms
         cols,
         spec: *spec,
         qmeta: dq.ptr(),
+        block_scale: 0,
     };
     unsafe { ops::qmeta_range(&grid, S) }.unwrap();
     synchronize(0).unwrap();
@@ -213,6 +214,7 @@ fn qpack_case<T: Host>(n: usize, k: usize, spec: &GridSpec, seed: u64) {
         k,
         qmeta: dm.ptr(),
         spec: *spec,
+        block_scale: 0,
     };
     let out = ops::PackedOut {
         qweight: qw.ptr(),
@@ -893,4 +895,93 @@ fn gptq_solver_matches_cpu() {
         eprintln!("gptq c{c} r{r} g{g} e{e} act_order={act}: equal codes {:.5}, max |W_gpu - W_cpu| {max_dw:.3e}", frac);
         assert!(frac >= 0.999, "only {frac} of the codes agree");
     }
+}
+
+/// FP8 weights with DeepSeek's 128×128 block scales, read as stored (one byte per weight plus
+/// the scales) by the range grid, the MSE search and the fused pack: bit-identical to the CPU
+/// maths on the dequantized f32 weight `e4m3 · scale[r/128, c/128]`.
+fn fp8_block_case(n: usize, k: usize, spec: &GridSpec, mse: &MseSpec, seed: u64) {
+    let w: Vec<F8E4M3> = convert(&test_matrix(n, k, seed));
+    let (rb, cb) = (n.div_ceil(ops::FP8_BLOCK), k.div_ceil(ops::FP8_BLOCK));
+    let mut r = Lcg(seed + 100);
+    let scales: Vec<f32> = (0..rb * cb)
+        .map(|_| 10f32.powf(r.f() * 4.0 - 3.0))
+        .collect();
+    let x: Vec<f32> = (0..n * k)
+        .map(|i| w[i].to_f32() * scales[(i / k) / ops::FP8_BLOCK * cb + (i % k) / ops::FP8_BLOCK])
+        .collect();
+    let mut cpu = build_range(&x, n, k, spec).unwrap();
+    refine_mse(&x, n, k, spec, mse, &mut cpu).unwrap();
+    let dw = DeviceBuf::from_slice(0, &w).unwrap();
+    let ds = DeviceBuf::from_slice(0, &scales).unwrap();
+    let dq = DeviceBuf::zeroed(0, n * spec.groups(k) * 4).unwrap();
+    let grid = ops::QmetaGrid {
+        x: dw.ptr(),
+        dtype: DType::F8E4M3,
+        rows: n,
+        cols: k,
+        spec: *spec,
+        qmeta: dq.ptr(),
+        block_scale: ds.ptr(),
+    };
+    unsafe { ops::qmeta_range(&grid, S) }.unwrap();
+    unsafe { ops::qmeta_mse(&grid, mse, S) }.unwrap();
+    synchronize(0).unwrap();
+    let g: Vec<u32> = dq.download().unwrap();
+    assert_eq!(g, u32s_of(&cpu), "fp8 block-scaled grid {n}x{k} {spec:?}");
+    if !n.is_multiple_of(8) || !k.is_multiple_of(spec.group_size) {
+        return;
+    }
+    let want = forge_core::pack::quantize_pack_awq(&x, &cpu, n, k, spec).unwrap();
+    let ng = k / spec.group_size;
+    let qw = DeviceBuf::zeroed(0, k * n / 8 * 4).unwrap();
+    let qz = DeviceBuf::zeroed(0, ng * n / 8 * 4).unwrap();
+    let sc = DeviceBuf::zeroed(0, ng * n * 2).unwrap();
+    let a = ops::QuantizePack {
+        w: dw.ptr(),
+        dtype: DType::F8E4M3,
+        n,
+        k,
+        qmeta: dq.ptr(),
+        spec: *spec,
+        block_scale: ds.ptr(),
+    };
+    let out = ops::PackedOut {
+        qweight: qw.ptr(),
+        qzeros: qz.ptr(),
+        scales: sc.ptr(),
+    };
+    unsafe { ops::awq_quantize_pack(&a, &out, S) }.unwrap();
+    synchronize(0).unwrap();
+    assert_eq!(
+        qw.download::<i32>().unwrap(),
+        want.qweight,
+        "fp8 qweight {n}x{k}"
+    );
+    assert_eq!(
+        qz.download::<i32>().unwrap(),
+        want.qzeros,
+        "fp8 qzeros {n}x{k}"
+    );
+    let s: Vec<u16> = sc.download().unwrap();
+    let cs: Vec<u16> = want.scales.iter().map(|h| h.to_bits()).collect();
+    assert_eq!(s, cs, "fp8 scales {n}x{k}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn fp8_block_scales_read_by_the_kernels_bit_exact() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    let mse = MseSpec::default();
+    for (g, sym) in [(128usize, false), (64, true), (32, false)] {
+        let spec = GridSpec {
+            bits: 4,
+            group_size: g,
+            symmetric: sym,
+        };
+        for (n, k) in [(256, 1024), (296, 640), (13, 300)] {
+            fp8_block_case(n, k, &spec, &mse, 21);
+        }
+    }
+    eprintln!("fp8 block scales: grid, mse and pack bit-exact");
 }

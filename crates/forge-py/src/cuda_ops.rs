@@ -61,6 +61,7 @@ pub fn build_quant_grid<'py>(
         cols,
         spec: *spec,
         qmeta: ptr,
+        block_scale: 0,
     };
     let s = stream_of(w)?;
     // SAFETY: pointers from live CUDA tensors of the checked shapes and dtypes.
@@ -111,6 +112,7 @@ pub fn quantize_pack_awq<'py>(
         k,
         qmeta: qmeta.ptr as u64,
         spec: *spec,
+        block_scale: 0,
     };
     let s = stream_of(w)?;
     // SAFETY: live CUDA tensors of checked shapes.

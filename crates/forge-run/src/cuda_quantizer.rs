@@ -53,31 +53,45 @@ impl CudaRtnQuantizer {
                 value: format!("device {}", self.device),
             }),
         };
-        // Upload the weight as stored (bf16/f16/f32); FP8 comes dequantised to f32.
-        let (buf, dtype) = match job.weight(i)? {
-            Weight::Bf16(w) => {
-                forge_core::dtype::check_finite("weight", w).map_err(|e| job.core_error(i, e))?;
-                (
-                    DeviceBuf::from_slice(self.device, w).map_err(cuda)?,
-                    cu::DType::Bf16,
-                )
-            }
-            Weight::F16(w) => {
-                forge_core::dtype::check_finite("weight", w).map_err(|e| job.core_error(i, e))?;
-                (
-                    DeviceBuf::from_slice(self.device, w).map_err(cuda)?,
-                    cu::DType::F16,
-                )
-            }
-            Weight::F32(w) => {
-                forge_core::dtype::check_finite("weight", &w[..])
-                    .map_err(|e| job.core_error(i, e))?;
-                (
-                    DeviceBuf::from_slice(self.device, &w[..]).map_err(cuda)?,
-                    cu::DType::F32,
-                )
-            }
+        // Upload the weight as stored: bf16/f16/f32, or FP8 bytes with their f32 block
+        // scales (the kernels apply them, bit-identical to the CPU's dequantization).
+        let fp8 = job.fp8(i)?;
+        let (buf, dtype, block_scale) = if let Some((bytes, scales)) = &fp8 {
+            (
+                DeviceBuf::from_slice(self.device, bytes).map_err(cuda)?,
+                cu::DType::F8E4M3,
+                Some(DeviceBuf::from_slice(self.device, scales).map_err(cuda)?),
+            )
+        } else {
+            let (buf, dtype) = match job.weight(i)? {
+                Weight::Bf16(w) => {
+                    forge_core::dtype::check_finite("weight", w)
+                        .map_err(|e| job.core_error(i, e))?;
+                    (
+                        DeviceBuf::from_slice(self.device, w).map_err(cuda)?,
+                        cu::DType::Bf16,
+                    )
+                }
+                Weight::F16(w) => {
+                    forge_core::dtype::check_finite("weight", w)
+                        .map_err(|e| job.core_error(i, e))?;
+                    (
+                        DeviceBuf::from_slice(self.device, w).map_err(cuda)?,
+                        cu::DType::F16,
+                    )
+                }
+                Weight::F32(w) => {
+                    forge_core::dtype::check_finite("weight", &w[..])
+                        .map_err(|e| job.core_error(i, e))?;
+                    (
+                        DeviceBuf::from_slice(self.device, &w[..]).map_err(cuda)?,
+                        cu::DType::F32,
+                    )
+                }
+            };
+            (buf, dtype, None)
         };
+        let block_scale_ptr = block_scale.as_ref().map_or(0, |b| b.ptr());
         let ng = spec.groups(k);
         let qmeta = DeviceBuf::zeroed(self.device, n * ng * 4).map_err(cuda)?;
         let qweight = DeviceBuf::zeroed(self.device, k * n / 8 * 4).map_err(cuda)?;
@@ -91,6 +105,7 @@ impl CudaRtnQuantizer {
             cols: k,
             spec,
             qmeta: qmeta.ptr(),
+            block_scale: block_scale_ptr,
         };
         let args = cu::QuantizePack {
             w: buf.ptr(),
@@ -99,6 +114,7 @@ impl CudaRtnQuantizer {
             k,
             qmeta: qmeta.ptr(),
             spec,
+            block_scale: block_scale_ptr,
         };
         let out = cu::PackedOut {
             qweight: qweight.ptr(),

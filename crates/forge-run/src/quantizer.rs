@@ -81,6 +81,39 @@ impl<'a> LayerJob<'a> {
         })
     }
 
+    /// Linear `i`'s weight as stored when it is FP8 (`F8_E4M3` bytes `[N, K]`), with its
+    /// block scales as f32 `[ceil(N/128), ceil(K/128)]`; `None` for other dtypes. NaN bytes
+    /// and scales that are not finite or could overflow f32 (|s|·448) are refused, as the
+    /// dequantized weight would be.
+    pub fn fp8(&self, i: usize) -> Result<Option<(&'a [u8], Vec<f32>)>> {
+        let w = self.linears[i].weight;
+        if w.dtype != Dtype::F8_E4M3 {
+            return Ok(None);
+        }
+        if let Some(index) = w.bytes.iter().position(|b| b & 0x7F == 0x7F) {
+            let e = forge_core::Error::NonFinite {
+                name: "weight".into(),
+                index,
+                value: f32::NAN,
+            };
+            return Err(self.core_error(i, e));
+        }
+        let (s, _) = self.checkpoint.fp8_scale(w.name)?;
+        let scales = s.to_f32()?;
+        if let Some(j) = scales.iter().position(|v| !(v.abs() * 448.0).is_finite()) {
+            return Err(Error::Quantize {
+                file: s.file.into(),
+                tensor: format!("{}_scale_inv", w.name),
+                source: Box::new(forge_core::Error::Param {
+                    name: "weight_scale_inv".into(),
+                    message: format!("block scale {j} is not finite or overflows the weight"),
+                    value: scales[j].to_string(),
+                }),
+            });
+        }
+        Ok(Some((w.bytes, scales)))
+    }
+
     /// Wraps a core error with the tensor's file and name (row/column for NaN).
     pub fn core_error(&self, i: usize, e: forge_core::Error) -> Error {
         let l = &self.linears[i];
