@@ -847,6 +847,22 @@ pub fn w4a16_workspace_bytes(
     })
 }
 
+/// The weight shape both W4A16 launches need: `k` a positive multiple of the group size,
+/// `n` a positive multiple of 32.
+fn check_w4a16_shape(n: usize, k: usize, g: usize) -> Result<()> {
+    if k == 0 || !k.is_multiple_of(g) {
+        return Err(CudaError::arg(
+            "k",
+            format!("a positive multiple of group_size {g}"),
+            k,
+        ));
+    }
+    if n == 0 || !n.is_multiple_of(32) {
+        return Err(CudaError::arg("n", "a positive multiple of 32", n));
+    }
+    Ok(())
+}
+
 /// Arguments of [`w4a16_gemm_awq`]: `y = x · dequant(W)ᵀ` for a linear of `n` out features
 /// × `k` in features stored in the AWQ layout (as [`awq_quantize_pack`] writes it), on `m`
 /// rows of activations. All tensors row-major and contiguous.
@@ -895,16 +911,7 @@ impl W4a16Gemm {
         if g == 0 || !g.is_multiple_of(32) {
             return Err(CudaError::arg("group_size", "a positive multiple of 32", g));
         }
-        if self.k == 0 || !self.k.is_multiple_of(g) {
-            return Err(CudaError::arg(
-                "k",
-                format!("a positive multiple of group_size {g}"),
-                self.k,
-            ));
-        }
-        if self.n == 0 || !self.n.is_multiple_of(32) {
-            return Err(CudaError::arg("n", "a positive multiple of 32", self.n));
-        }
+        check_w4a16_shape(self.n, self.k, g)?;
         to_i32("m", self.m)?;
         to_i32("n", self.n)?;
         to_i32("k", self.k)?;
@@ -1072,16 +1079,7 @@ impl GroupedGemv {
         if g < 32 || !g.is_power_of_two() {
             return Err(CudaError::arg("group_size", "a power of two >= 32", g));
         }
-        if self.k == 0 || !self.k.is_multiple_of(g) {
-            return Err(CudaError::arg(
-                "k",
-                format!("a positive multiple of group_size {g}"),
-                self.k,
-            ));
-        }
-        if self.n == 0 || !self.n.is_multiple_of(32) {
-            return Err(CudaError::arg("n", "a positive multiple of 32", self.n));
-        }
+        check_w4a16_shape(self.n, self.k, g)?;
         let dense = Self::dense_strides(self.k, self.n, g);
         for (i, (name, align)) in [
             ("expert_strides[0] (qweight)", 4),

@@ -203,10 +203,6 @@ fn qpack_case<T: Host>(n: usize, k: usize, spec: &GridSpec, seed: u64) {
     let cpu = forge_core::pack::quantize_pack_awq(&w, &qmeta, n, k, spec).unwrap();
     let dw = DeviceBuf::from_slice(0, &w).unwrap();
     let dm = DeviceBuf::from_slice(0, &qmeta).unwrap();
-    let ng = k / spec.group_size;
-    let qw = DeviceBuf::zeroed(0, k * n / 8 * 4).unwrap();
-    let qz = DeviceBuf::zeroed(0, ng * n / 8 * 4).unwrap();
-    let sc = DeviceBuf::zeroed(0, ng * n * 2).unwrap();
     let a = ops::QuantizePack {
         w: dw.ptr(),
         dtype: T::DT,
@@ -216,28 +212,37 @@ fn qpack_case<T: Host>(n: usize, k: usize, spec: &GridSpec, seed: u64) {
         spec: *spec,
         block_scale: 0,
     };
+    assert_quantize_pack(&a, &cpu);
+}
+
+/// Runs the fused quantize + pack of `a` and checks its three tensors equal `want`.
+fn assert_quantize_pack(a: &ops::QuantizePack, want: &forge_core::pack::AwqTensors) {
+    let (n, k, dt) = (a.n, a.k, a.dtype);
+    let ng = k / a.spec.group_size;
+    let qw = DeviceBuf::zeroed(0, k * n / 8 * 4).unwrap();
+    let qz = DeviceBuf::zeroed(0, ng * n / 8 * 4).unwrap();
+    let sc = DeviceBuf::zeroed(0, ng * n * 2).unwrap();
     let out = ops::PackedOut {
         qweight: qw.ptr(),
         qzeros: qz.ptr(),
         scales: sc.ptr(),
     };
-    unsafe { ops::awq_quantize_pack(&a, &out, S) }.unwrap();
+    unsafe { ops::awq_quantize_pack(a, &out, S) }.unwrap();
     synchronize(0).unwrap();
+    let scaled = a.block_scale != 0;
     assert_eq!(
         qw.download::<i32>().unwrap(),
-        cpu.qweight,
-        "qweight {:?} {n}x{k}",
-        T::DT
+        want.qweight,
+        "qweight {dt:?} (block scales {scaled}) {n}x{k}"
     );
     assert_eq!(
         qz.download::<i32>().unwrap(),
-        cpu.qzeros,
-        "qzeros {:?} {n}x{k}",
-        T::DT
+        want.qzeros,
+        "qzeros {dt:?} (block scales {scaled}) {n}x{k}"
     );
     let s: Vec<u16> = sc.download().unwrap();
-    let cs: Vec<u16> = cpu.scales.iter().map(|h| h.to_bits()).collect();
-    assert_eq!(s, cs, "scales {:?} {n}x{k}", T::DT);
+    let cs: Vec<u16> = want.scales.iter().map(|h| h.to_bits()).collect();
+    assert_eq!(s, cs, "scales {dt:?} (block scales {scaled}) {n}x{k}");
 }
 
 #[test]
@@ -933,10 +938,6 @@ fn fp8_block_case(n: usize, k: usize, spec: &GridSpec, mse: &MseSpec, seed: u64)
         return;
     }
     let want = forge_core::pack::quantize_pack_awq(&x, &cpu, n, k, spec).unwrap();
-    let ng = k / spec.group_size;
-    let qw = DeviceBuf::zeroed(0, k * n / 8 * 4).unwrap();
-    let qz = DeviceBuf::zeroed(0, ng * n / 8 * 4).unwrap();
-    let sc = DeviceBuf::zeroed(0, ng * n * 2).unwrap();
     let a = ops::QuantizePack {
         w: dw.ptr(),
         dtype: DType::F8E4M3,
@@ -946,26 +947,7 @@ fn fp8_block_case(n: usize, k: usize, spec: &GridSpec, mse: &MseSpec, seed: u64)
         spec: *spec,
         block_scale: ds.ptr(),
     };
-    let out = ops::PackedOut {
-        qweight: qw.ptr(),
-        qzeros: qz.ptr(),
-        scales: sc.ptr(),
-    };
-    unsafe { ops::awq_quantize_pack(&a, &out, S) }.unwrap();
-    synchronize(0).unwrap();
-    assert_eq!(
-        qw.download::<i32>().unwrap(),
-        want.qweight,
-        "fp8 qweight {n}x{k}"
-    );
-    assert_eq!(
-        qz.download::<i32>().unwrap(),
-        want.qzeros,
-        "fp8 qzeros {n}x{k}"
-    );
-    let s: Vec<u16> = sc.download().unwrap();
-    let cs: Vec<u16> = want.scales.iter().map(|h| h.to_bits()).collect();
-    assert_eq!(s, cs, "fp8 scales {n}x{k}");
+    assert_quantize_pack(&a, &want);
 }
 
 #[test]
