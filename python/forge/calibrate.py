@@ -661,11 +661,14 @@ class _RoutedExperts(torch.nn.Module):
         return a, F.linear(a, d)
 
     def compute(self, x, idx, wts) -> torch.Tensor:
+        """The routed output of tokens ``x (T, D)``: expert by expert, router weight times
+        expert output summed in fp32; REAP sums into ``stats`` (one host sync per call)."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts)[: self.n_experts].tolist()
         k = idx.shape[1]
+        reap = torch.zeros(self.n_experts, dtype=torch.float64, device=x.device)
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
@@ -675,9 +678,13 @@ class _RoutedExperts(torch.nn.Module):
             tok = sel // k
             wt = wts.reshape(-1)[sel].float()
             _, y = self.expert_out(e, x[tok])
+            y = y.float()
             if self.stats is not None:
-                self.stats.add_reap(e, wt * y.float().norm(dim=-1))
-            out.index_put_((tok,), y.float() * wt[:, None], accumulate=True)
+                reap[e] = (wt * y.norm(dim=-1)).double().sum()
+            # an expert sees a token once: distinct rows, so the adds are deterministic
+            out.index_add_(0, tok, y.mul_(wt[:, None]))
+        if self.stats is not None:
+            self.stats.reap += reap.cpu()
         return out.to(x.dtype)
 
 
@@ -739,9 +746,6 @@ class _Stats:
         p = lf.sigmoid() if scoring == "sigmoid" else lf.softmax(-1)
         self.mass += p.sum(0).double().cpu()
         self.counts += torch.bincount(idx.reshape(-1).cpu(), minlength=self.n).double()[: self.n]
-
-    def add_reap(self, e: int, v: torch.Tensor) -> None:
-        self.reap[e] += float(v.double().sum())
 
 
 # --------------------------------------------------------------------------------------
@@ -1601,8 +1605,7 @@ def _solve_experts(
     col = routed.collected
     assert col is not None
     xs = col.x
-    idx = torch.cat(col.ids)
-    wts = torch.cat(col.weights).float().reshape(-1)
+    idx, wts = torch.cat(col.ids), torch.cat(col.weights)
     t, k = idx.shape
     d = xs.shape[1]
     flat = idx.reshape(-1)
@@ -1697,7 +1700,7 @@ def _solve_experts(
                     ctx.report.append({"layer": li, "module": base + leaf, "expert": e, **s.info})
             pbar.update(len(items))
             del items
-        _routed_output(routed, col, order, counts, k, wts, stats)
+        _routed_output(routed, xs, idx, wts, dev, stats)
         with PHASES("pack+write (waiting)"):
             for f in writes:
                 f.result()
@@ -1707,44 +1710,23 @@ def _solve_experts(
 
 def _routed_output(
     routed: _RoutedExperts,
-    col: _Collected,
-    order: torch.Tensor,
-    counts: list[int],
-    k: int,
+    xs: torch.Tensor,
+    idx: torch.Tensor,
     wts: torch.Tensor,
+    dev: torch.device,
     stats: _Stats | None,
 ) -> None:
-    """The quantized experts' routed output over every collected token, ``OUTPUT_WINDOW``
-    tokens at a time (expert-major within a window, fp32 sums), written over the collected
-    inputs of that window once all its experts are done; REAP sums into ``stats``."""
-    xs, dev = col.x, order.device
-    t, n = xs.shape[0], len(counts)
-    order = order[: sum(counts)]  # pairs of pruned experts (id n, remap layout) sort last
-    # pair keys expert * t + token, ascending along ``order``: window bounds by searchsorted
-    expert_of = torch.repeat_interleave(torch.arange(n, device=dev), torch.tensor(counts, device=dev))
-    key = expert_of * t + order // k
-    base = torch.arange(n, device=dev) * t
-    reap = torch.zeros(n, dtype=torch.float64, device=dev)
-    for w0 in range(0, t, OUTPUT_WINDOW):
-        w1 = min(t, w0 + OUTPUT_WINDOW)
-        lo = torch.searchsorted(key, base + w0).tolist()
-        hi = torch.searchsorted(key, base + w1).tolist()
-        acc = torch.zeros(w1 - w0, xs.shape[1], dtype=torch.float32, device=dev)
-        for e in range(n):
-            if hi[e] == lo[e]:
-                continue
-            sel = order[lo[e] : hi[e]]
-            tok = sel // k
-            _, y = routed.expert_out(e, col.rows(tok, dev))
-            y = y.float()
-            wt = wts[sel]
-            if stats is not None:
-                reap[e] += (wt * y.norm(dim=-1)).double().sum()
-            # an expert sees a token once: the rows are distinct, so the adds are deterministic
-            acc.index_add_(0, tok - w0, y.mul_(wt[:, None]))
-        xs[w0:w1].copy_(acc)
-    if stats is not None:
-        stats.reap += reap.cpu()
+    """The quantized experts' routed output over every collected token ``xs`` (routed to
+    ``idx`` with weights ``wts``), ``OUTPUT_WINDOW`` tokens at a time on ``dev``
+    (:meth:`_RoutedExperts.compute` on the window), written over the window's inputs; REAP
+    sums into ``stats``."""
+    routed.stats = stats
+    try:
+        for w0 in range(0, xs.shape[0], OUTPUT_WINDOW):
+            w = slice(w0, w0 + OUTPUT_WINDOW)
+            xs[w].copy_(routed.compute(xs[w].to(dev, non_blocking=True), idx[w], wts[w]))
+    finally:
+        routed.stats = None
 
 
 # --------------------------------------------------------------------------------------
