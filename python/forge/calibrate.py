@@ -418,6 +418,10 @@ class _Store:
         """Chunk ``i``'s dtype and shape, without loading it."""
         return self.meta[i]
 
+    def nbytes(self) -> int:
+        """Bytes of all chunks, without loading them."""
+        return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for dt, shape in self.meta)
+
     def __setitem__(self, i: int, t: torch.Tensor) -> None:
         self.meta[i] = (t.dtype, tuple(t.shape))
         if self.where == "gpu":
@@ -1221,7 +1225,7 @@ class _AttnCache:
         on_device = "gpu" if dev.type == "cuda" else "cpu"
         if type(layer).__name__ not in _MLP_TAIL_LAYERS or hidden.where != on_device:
             return
-        nbytes = sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for dt, shape in hidden.meta)
+        nbytes = hidden.nbytes()
         if dev.type == "cuda":
             fits = 2 * nbytes + _SOLVE_RESERVE * _gpu_total(dev) <= _gpu_room(dev)
         else:

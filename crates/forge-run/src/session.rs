@@ -646,16 +646,14 @@ impl Session {
         if let Ok(m) = self.synced.get_mut() {
             m.remove(&i);
         }
-        let previous = self.state.take();
+        // Without a new state, an earlier layer's stays the resume point.
+        let previous = self.state.clone();
         if let Some(p) = state {
             let name = p
                 .file_name()
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_default();
             self.state = Some((u.key.clone(), name));
-        } else {
-            // An earlier layer's state stays the resume point.
-            self.state = previous.clone();
         }
         self.done.insert(u.key.clone());
         self.save_manifest()?;
