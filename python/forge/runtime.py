@@ -51,6 +51,30 @@ PACK = 8  # int4 values per int32 word
 
 _GEMM_DTYPES = (torch.float16, torch.bfloat16)
 _AWQ_DTYPES = (("qweight", torch.int32), ("qzeros", torch.int32), ("scales", torch.float16))
+
+
+def _check_device_awq(qweight, qzeros, scales, group_size: int, dev, stacked: bool) -> tuple[int, int, int]:
+    """``(experts, K, N)`` of AWQ tensors for the CUDA launches (``experts`` is 1 unless
+    ``stacked``: ``qweight [E, K, N/8]`` etc.), checked against each other and ``dev``."""
+    for (name, dtype), t in zip(_AWQ_DTYPES, (qweight, qzeros, scales), strict=True):
+        if t.device != dev:
+            raise DeviceError(f"{name}: expected a tensor on {dev} like x, got {t.device}")
+        if t.dtype != dtype:
+            raise DTypeError(f"{name}: expected {dtype}, got {t.dtype}")
+    lead = tuple(qweight.shape[: int(stacked)])
+    k, n = (qweight.shape[len(lead)] if qweight.dim() > len(lead) else 0), scales.shape[-1]
+    if (
+        tuple(qweight.shape) != (*lead, k, n // PACK)
+        or tuple(qzeros.shape) != (*lead, k // group_size, n // PACK)
+        or tuple(scales.shape) != (*lead, k // group_size, n)
+    ):
+        raise ShapeError(
+            f"{'stacked ' if stacked else ''}AWQ tensors for group_size {group_size}: got qweight "
+            f"{tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}"
+        )
+    return (lead[0] if stacked else 1), k, n
+
+
 # split-K scratch bytes per (device, M, N, K, G), asked of the native plan once per shape
 _WORKSPACE: dict[tuple[int, int, int, int, int], int] = {}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -70,22 +94,8 @@ def _cuda_gemm(
     """``x (..., K) @ dequant(W).T`` on CUDA in ``x``'s dtype (fp16/bf16 natively; other
     dtypes through fp16). Output and scratch come from torch's allocator on the current
     stream, the kernel is launched on that stream, and nothing waits for the GPU."""
-    k, n = qweight.shape[0], scales.shape[-1]
     dev = x.device
-    for (name, dtype), t in zip(_AWQ_DTYPES, (qweight, qzeros, scales), strict=True):
-        if t.device != dev:
-            raise DeviceError(f"{name}: expected a tensor on {dev} like x, got {t.device}")
-        if t.dtype != dtype:
-            raise DTypeError(f"{name}: expected {dtype}, got {t.dtype}")
-    if (
-        qweight.dim() != 2
-        or tuple(qzeros.shape) != (k // group_size, n // PACK)
-        or tuple(scales.shape) != (k // group_size, n)
-    ):
-        raise ShapeError(
-            f"AWQ tensors for group_size {group_size}: got qweight {tuple(qweight.shape)}, "
-            f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}"
-        )
+    _, k, n = _check_device_awq(qweight, qzeros, scales, group_size, dev, stacked=False)
     if x.shape[-1] != k:
         raise ShapeError(f"x: expected last dim {k} (in_features), got {tuple(x.shape)}")
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
@@ -200,28 +210,6 @@ def moe_segments(top_k_index: torch.Tensor, num_experts: int, rows: int) -> tupl
     return order.to(torch.int32), table[:nseg]
 
 
-def _check_experts_awq(qweight, qzeros, scales, group_size: int, dev) -> tuple[int, int, int]:
-    """(experts, K, N) of stacked AWQ tensors, checked against each other and ``dev``."""
-    for (name, dtype), t in zip(_AWQ_DTYPES, (qweight, qzeros, scales), strict=True):
-        if t.device != dev:
-            raise DeviceError(f"{name}: expected a tensor on {dev} like x, got {t.device}")
-        if t.dtype != dtype:
-            raise DTypeError(f"{name}: expected {dtype}, got {t.dtype}")
-    e, k = qweight.shape[0], qweight.shape[1]
-    n = scales.shape[-1]
-    if (
-        qweight.dim() != 3
-        or tuple(qweight.shape) != (e, k, n // PACK)
-        or tuple(qzeros.shape) != (e, k // group_size, n // PACK)
-        or tuple(scales.shape) != (e, k // group_size, n)
-    ):
-        raise ShapeError(
-            f"stacked AWQ tensors for group_size {group_size}: got qweight {tuple(qweight.shape)}, "
-            f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}"
-        )
-    return e, k, n
-
-
 def _cuda_moe_gemv(
     x: torch.Tensor,
     x_rows: torch.Tensor,
@@ -236,7 +224,7 @@ def _cuda_moe_gemv(
     """The grouped GEMV on CUDA (see :func:`awq_moe_gemv`): one launch (plus the split-K
     sum) on the current stream, output and scratch from torch's allocator, no host sync."""
     dev = x.device
-    e, k, n = _check_experts_awq(qweight, qzeros, scales, group_size, dev)
+    e, k, n = _check_device_awq(qweight, qzeros, scales, group_size, dev, stacked=True)
     for name, t in (("x_rows", x_rows), ("out_rows", out_rows), ("segments", segments)):
         if t.device != dev or t.dtype != torch.int32:
             raise DTypeError(f"{name}: expected int32 on {dev}, got {t.dtype} on {t.device}")
