@@ -317,6 +317,36 @@ pub fn w4a16_workspace_bytes(
     cu::w4a16_workspace_bytes(device, m, n, k, group_size).map_err(|e| cuda_err(py, e))
 }
 
+/// The W4A16 launches' activation dtype (the bindings take `bf16: bool`; else fp16).
+fn act_dtype(bf16: bool) -> cu::DType {
+    if bf16 {
+        cu::DType::Bf16
+    } else {
+        cu::DType::F16
+    }
+}
+
+/// Refuses a launch without split-K scratch when its plan needs some (`need`): the kernels
+/// never fall back to a driver allocation outside torch's caching allocator.
+fn require_workspace(
+    py: Python<'_>,
+    workspace: u64,
+    need: impl FnOnce() -> Result<usize, CudaError>,
+) -> PyResult<()> {
+    if workspace != 0 {
+        return Ok(());
+    }
+    let need = need().map_err(|e| cuda_err(py, e))?;
+    if need > 0 {
+        return Err(raise(
+            py,
+            "InvalidValueError",
+            format!("workspace: {need} bytes of split-K scratch needed, got none"),
+        ));
+    }
+    Ok(())
+}
+
 /// The W4A16 GEMM launch behind `forge::awq_gemm`, on plain integers: device pointers
 /// (`data_ptr()`), the raw stream handle (`torch.cuda.current_stream().cuda_stream`) and
 /// sizes. Nothing is allocated, read back or looked up in Python here: the caller allocates
@@ -342,25 +372,12 @@ pub fn w4a16_launch(
     device: usize,
     stream: u64,
 ) -> PyResult<()> {
-    if workspace == 0 {
-        // never fall back to a driver allocation outside torch's caching allocator
-        let need =
-            cu::w4a16_workspace_bytes(device, m, n, k, group_size).map_err(|e| cuda_err(py, e))?;
-        if need > 0 {
-            return Err(raise(
-                py,
-                "InvalidValueError",
-                format!("workspace: {need} bytes of split-K scratch needed, got none"),
-            ));
-        }
-    }
+    require_workspace(py, workspace, || {
+        cu::w4a16_workspace_bytes(device, m, n, k, group_size)
+    })?;
     let args = cu::W4a16Gemm {
         x,
-        act: if bf16 {
-            cu::DType::Bf16
-        } else {
-            cu::DType::F16
-        },
+        act: act_dtype(bf16),
         m,
         n,
         k,
@@ -437,26 +454,12 @@ pub fn w4a16_grouped_launch(
     device: usize,
     stream: u64,
 ) -> PyResult<()> {
-    if workspace == 0 {
-        // never fall back to a driver allocation outside torch's caching allocator
-        let need =
-            cu::w4a16_grouped_workspace_bytes(device, rows, pairs, num_segments, n, k, group_size)
-                .map_err(|e| cuda_err(py, e))?;
-        if need > 0 {
-            return Err(raise(
-                py,
-                "InvalidValueError",
-                format!("workspace: {need} bytes of split-K scratch needed, got none"),
-            ));
-        }
-    }
+    require_workspace(py, workspace, || {
+        cu::w4a16_grouped_workspace_bytes(device, rows, pairs, num_segments, n, k, group_size)
+    })?;
     let args = cu::GroupedGemv {
         x,
-        act: if bf16 {
-            cu::DType::Bf16
-        } else {
-            cu::DType::F16
-        },
+        act: act_dtype(bf16),
         x_rows,
         out_rows,
         pairs,
