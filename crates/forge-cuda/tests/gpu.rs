@@ -351,11 +351,10 @@ fn awq_layer(n: usize, k: usize, g: usize, seed: u64) -> forge_core::pack::AwqTe
     forge_core::pack::quantize_pack_awq(&w, &qmeta, n, k, &spec).unwrap()
 }
 
-fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
-    let awq = awq_layer(n, k, g, seed);
-    let mut r = Lcg(seed + 100);
-    let xf: Vec<f32> = (0..m * k).map(|_| r.n()).collect();
-    let (xbits, xr): (Vec<u16>, Vec<f32>) = match act {
+/// `xf` rounded to the activation dtype `act` (F16, else Bf16): the bits to upload and
+/// their values as f32 for the CPU reference.
+fn activations(act: DType, xf: &[f32]) -> (Vec<u16>, Vec<f32>) {
+    match act {
         DType::F16 => xf
             .iter()
             .map(|&v| (f16::from_f32(v).to_bits(), f16::from_f32(v).to_f32()))
@@ -364,7 +363,14 @@ fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
             .iter()
             .map(|&v| (bf16::from_f32(v).to_bits(), bf16::from_f32(v).to_f32()))
             .unzip(),
-    };
+    }
+}
+
+fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
+    let awq = awq_layer(n, k, g, seed);
+    let mut r = Lcg(seed + 100);
+    let xf: Vec<f32> = (0..m * k).map(|_| r.n()).collect();
+    let (xbits, xr) = activations(act, &xf);
     let w = forge_core::matmul::dequantize_awq(&awq.qweight, &awq.qzeros, &awq.scales, k, n, g)
         .unwrap();
     let dx = DeviceBuf::from_slice(0, &xbits).unwrap();
@@ -559,16 +565,7 @@ fn grouped_case(
     let (order, table, nseg) = host_segments(&ids, experts, rows, invalid, seed.is_multiple_of(3));
     let x_rows: Vec<i32> = order.iter().map(|&p| p / top_k as i32).collect();
     let xf: Vec<f32> = (0..tokens * k).map(|_| r.n()).collect();
-    let (xbits, xr): (Vec<u16>, Vec<f32>) = match act {
-        DType::F16 => xf
-            .iter()
-            .map(|&v| (f16::from_f32(v).to_bits(), f16::from_f32(v).to_f32()))
-            .unzip(),
-        _ => xf
-            .iter()
-            .map(|&v| (bf16::from_f32(v).to_bits(), bf16::from_f32(v).to_f32()))
-            .unzip(),
-    };
+    let (xbits, xr) = activations(act, &xf);
     let dx = DeviceBuf::from_slice(0, &xbits).unwrap();
     let dxr = DeviceBuf::from_slice(0, &x_rows).unwrap();
     let dor = DeviceBuf::from_slice(0, &order).unwrap();
