@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-TOKEN_PHASES = ("forward", "hessian", "experts: gather + forward")
+TOKEN_PHASES = ("forward", "hessian", "experts: gather + forward", "store activations")
 
 
 def write_row(path: str | None, row: dict) -> None:
