@@ -351,6 +351,15 @@ fn awq_layer(n: usize, k: usize, g: usize, seed: u64) -> forge_core::pack::AwqTe
     forge_core::pack::quantize_pack_awq(&w, &qmeta, n, k, &spec).unwrap()
 }
 
+/// The value of a 16-bit result of dtype `act` (F16, else Bf16).
+fn half_value(act: DType, bits: u16) -> f32 {
+    if act == DType::F16 {
+        f16::from_bits(bits).to_f32()
+    } else {
+        bf16::from_bits(bits).to_f32()
+    }
+}
+
 /// `xf` rounded to the activation dtype `act` (F16, else Bf16): the bits to upload and
 /// their values as f32 for the CPU reference.
 fn activations(act: DType, xf: &[f32]) -> (Vec<u16>, Vec<f32>) {
@@ -411,11 +420,7 @@ fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
                 refv += p;
                 mag += p.abs();
             }
-            let got = if act == DType::F16 {
-                f16::from_bits(y[i * n + j]).to_f32()
-            } else {
-                bf16::from_bits(y[i * n + j]).to_f32()
-            } as f64;
+            let got = half_value(act, y[i * n + j]) as f64;
             let tol = wrel * mag + orel * refv.abs() + 1e-6;
             let err = (got - refv).abs();
             worst = worst.max(err / tol);
@@ -627,11 +632,7 @@ fn grouped_case(
                 refv += p;
                 mag += p.abs();
             }
-            let got = if act == DType::F16 {
-                f16::from_bits(bits).to_f32()
-            } else {
-                bf16::from_bits(bits).to_f32()
-            } as f64;
+            let got = half_value(act, bits) as f64;
             let tol = wrel * mag + orel * refv.abs() + 1e-6;
             let err = (got - refv).abs();
             worst = worst.max(err / tol);
