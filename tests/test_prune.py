@@ -429,6 +429,46 @@ def test_pruning_resume_is_byte_identical(monkeypatch, src, ids_file, tmp_path):
         assert (part / name).read_bytes() == (whole / name).read_bytes(), name
 
 
+def test_experts_bind_while_the_previous_unit_syncs(src, ids_file, tmp_path):
+    """The run fsyncs unit i on a worker thread (``Session.sync_unit``) while it binds the
+    next layer's experts: the sync must not hold the session, or ``bind_experts`` fails with
+    "Already borrowed" (seen in CI). Unit 0 is synced over and over on a thread while the
+    MoE layer is bound, and the kept experts are the ones the map then reports."""
+    import threading
+
+    from forge import _native
+
+    opts = json.dumps(_opts(str(ids_file), device="cpu", prune_ratio=0.5, criterion="frequency"))
+    sess = _native.Session(str(src), str(tmp_path / "o"), opts)
+    units = sess.units()
+    moe = next(u for u in units if u["experts"] is not None)
+    sess.write_unquantized(0)
+    sess.quantize_rtn(0)
+    started, stop, errors_seen = threading.Event(), threading.Event(), []
+
+    def sync_loop():
+        started.set()
+        try:
+            while not stop.is_set():
+                sess.sync_unit(0, None)
+        except Exception as exc:  # reported below
+            errors_seen.append(exc)
+
+    worker = threading.Thread(target=sync_loop)
+    worker.start()
+    started.wait()
+    try:
+        for _ in range(50):  # each call lands while a sync is (very likely) in flight
+            sess.bind_experts(moe["layer"], [0, 2, 5, 7])
+    finally:
+        stop.set()
+        worker.join()
+    assert errors_seen == []
+    assert sess.expert_map()[moe["layer"]] == [0, -1, 1, -1, -1, 2, -1, 3]
+    sess.commit(0, None)
+    assert sess.units()[0]["done"]
+
+
 def test_cli_prune_stats_only_and_compact(src, ids_file, tmp_path):
     base = [sys.executable, "-m", "forge", "prune", str(src)]
     common = [

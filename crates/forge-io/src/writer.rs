@@ -534,6 +534,13 @@ impl ShardWriter {
     /// Fsyncs the data of the shard `file_name` (a planned file name), under
     /// whichever name it has now.
     pub fn sync(&self, file_name: &str) -> Result<()> {
+        let (file, path) = self.sync_handle(file_name)?;
+        file.sync_data().map_err(Error::io("fsync", &path, None))
+    }
+
+    /// A second handle on shard `file_name` (and its current path, for errors), for an
+    /// fsync that must not borrow the writer (e.g. on another thread).
+    pub fn sync_handle(&self, file_name: &str) -> Result<(File, PathBuf)> {
         let Some((_, s)) = self
             .plan
             .shards
@@ -551,7 +558,11 @@ impl ShardWriter {
         } else {
             &s.partial
         };
-        s.file.sync_data().map_err(Error::io("fsync", path, None))
+        let file = s
+            .file
+            .try_clone()
+            .map_err(Error::io("duplicate the handle of", path, None))?;
+        Ok((file, path.clone()))
     }
 
     /// File names of the shards already under their final name.

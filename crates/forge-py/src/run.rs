@@ -490,10 +490,18 @@ impl Session {
     /// Makes unit `index` durable (its shards and `state` fsynced) without recording it; safe
     /// to run on another thread while the next unit is worked on. `commit` then only records.
     #[pyo3(signature = (index, state = None))]
-    fn sync_unit(&self, py: Python<'_>, index: usize, state: Option<PathBuf>) -> PyResult<()> {
-        let s = self.get(py)?;
-        crate::errors::detach_guarded(py, "sync_unit", || s.sync_unit(index, state.as_deref()))?
-            .map_err(|e| run_err(py, e))
+    ///
+    /// The session is borrowed only to take the job, not while the fsyncs run, so the
+    /// caller's thread may meanwhile bind experts and commit (methods that take it whole).
+    fn sync_unit(slf: &Bound<'_, Self>, index: usize, state: Option<PathBuf>) -> PyResult<()> {
+        let py = slf.py();
+        let job = {
+            let this = slf.try_borrow()?;
+            this.get(py)?
+                .unit_sync(index, state.as_deref())
+                .map_err(|e| run_err(py, e))?
+        };
+        crate::errors::detach_guarded(py, "sync_unit", || job.run())?.map_err(|e| run_err(py, e))
     }
 
     /// Marks unit `index` finished (every output written), recording `state` with it.

@@ -48,4 +48,4 @@ pub use cuda_quantizer::CudaRtnQuantizer;
 pub use options::Options;
 pub use quantizer::{LayerJob, LinearJob, LinearQuantizer, RtnQuantizer, Sink};
 pub use run::{quantize, quantize_with, NoProgress, Progress, RunReport};
-pub use session::Session;
+pub use session::{Session, UnitSync};

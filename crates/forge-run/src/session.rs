@@ -74,7 +74,7 @@ pub struct Session {
     resumed: usize,
     resumed_bytes: u64,
     /// Units whose bytes (and state file) [`Session::sync_unit`] has made durable.
-    synced: std::sync::Mutex<HashMap<usize, Option<PathBuf>>>,
+    synced: Arc<std::sync::Mutex<HashMap<usize, Option<PathBuf>>>>,
     t0: Instant,
     _lock: OutDirLock,
 }
@@ -638,12 +638,12 @@ impl Session {
         let u = self.unit(i)?.clone();
         let synced = self
             .synced
-            .get_mut()
+            .lock()
             .is_ok_and(|m| m.get(&i).is_some_and(|s| s.as_deref() == state));
         if !synced {
             self.sync_unit(i, state)?;
         }
-        if let Ok(m) = self.synced.get_mut() {
+        if let Ok(mut m) = self.synced.lock() {
             m.remove(&i);
         }
         // Without a new state, an earlier layer's stays the resume point.
@@ -667,12 +667,18 @@ impl Session {
         Ok(())
     }
 
-    /// Makes unit `i` durable without recording it: checks that every planned output was
-    /// written, then fsyncs its shards and `state`. Takes `&self`, so the caller can run it
-    /// on another thread while it works on the next unit; [`Session::commit`] then only
-    /// records the unit (the fsyncs are not repeated, and bytes the next unit wrote into a
-    /// shared shard meanwhile are not waited for).
+    /// Makes unit `i` durable without recording it (see [`Session::unit_sync`]).
     pub fn sync_unit(&self, i: usize, state: Option<&Path>) -> Result<()> {
+        self.unit_sync(i, state)?.run()
+    }
+
+    /// The fsyncs that make unit `i` durable without recording it, as a job that owns what
+    /// it needs: checks now that every planned output was written, and takes handles on the
+    /// unit's shards and `state`. The job does not borrow the session, so the caller can run
+    /// it on another thread while it works on (and binds, writes, commits) the next unit;
+    /// [`Session::commit`] then only records the unit (the fsyncs are not repeated, and
+    /// bytes the next unit wrote into a shared shard meanwhile are not waited for).
+    pub fn unit_sync(&self, i: usize, state: Option<&Path>) -> Result<UnitSync> {
         let u = self.unit(i)?;
         let missing: Vec<&str> = u
             .outputs
@@ -690,23 +696,21 @@ impl Session {
                 ),
             });
         }
-        let files: BTreeSet<&str> = u
+        let names: BTreeSet<&str> = u
             .outputs
             .iter()
             .filter_map(|o| self.file_of.get(o.as_str()).map(String::as_str))
             .collect();
-        for f in files {
-            self.w()?.sync(f)?;
-        }
-        if let Some(p) = state {
-            File::open(p)
-                .and_then(|h| h.sync_all())
-                .map_err(Error::io("fsync", p))?;
-        }
-        if let Ok(mut m) = self.synced.lock() {
-            m.insert(i, state.map(Path::to_path_buf));
-        }
-        Ok(())
+        let files = names
+            .into_iter()
+            .map(|f| self.w()?.sync_handle(f).map_err(Error::from))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(UnitSync {
+            index: i,
+            files,
+            state: state.map(Path::to_path_buf),
+            synced: Arc::clone(&self.synced),
+        })
     }
 
     /// Publishes the run: shards renamed into place, the index, side files,
@@ -1028,4 +1032,31 @@ fn free_bytes(dir: &Path) -> Result<u64> {
     #[allow(clippy::unnecessary_cast)]
     let (avail, frsize) = (st.f_bavail as u64, st.f_frsize as u64);
     Ok(avail.saturating_mul(frsize))
+}
+
+/// The fsyncs that make one finished unit durable (see [`Session::unit_sync`]): owned
+/// handles on its shards and its state file, run on any thread.
+pub struct UnitSync {
+    index: usize,
+    files: Vec<(File, PathBuf)>,
+    state: Option<PathBuf>,
+    synced: Arc<std::sync::Mutex<HashMap<usize, Option<PathBuf>>>>,
+}
+
+impl UnitSync {
+    /// Fsyncs the shards and the state, then notes the unit as synced for its commit.
+    pub fn run(self) -> Result<()> {
+        for (file, path) in &self.files {
+            file.sync_data().map_err(Error::io("fsync", path))?;
+        }
+        if let Some(p) = &self.state {
+            File::open(p)
+                .and_then(|h| h.sync_all())
+                .map_err(Error::io("fsync", p))?;
+        }
+        if let Ok(mut m) = self.synced.lock() {
+            m.insert(self.index, self.state);
+        }
+        Ok(())
+    }
 }
