@@ -507,3 +507,27 @@ def test_prefetch_reads_ahead_without_changing_a_byte(src, ids_file, tmp_path):
     assert after == before
     with pytest.raises(Exception, match=str(len(units))):
         sess.prefetch(len(units))
+
+
+def test_report_errors_are_relative_output_errors_from_the_activations():
+    """The report's ``err_gptq`` / ``err_rtn`` are ``‖X(W−Ŵ)ᵀ‖² / ‖XWᵀ‖²`` computed here from
+    the activations themselves, for several linears reported in one batch (one host sync)."""
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for n, k in [(8, 64), (16, 32), (4, 128)]:
+        x = torch.randn(200, k, generator=g, dtype=torch.float64)
+        w = torch.randn(n, k, generator=g, dtype=torch.float64)
+        h = (x.t() @ x).float()
+        qmeta, _, _ = calibrate.build_quant_grid(w.float(), 32, 4, False, "minmax")
+        grid = calibrate._decode(qmeta, 32, k, "cpu")
+        deq = w + 0.05 * torch.randn(n, k, generator=g, dtype=torch.float64)
+        s = calibrate._Solved(None, qmeta, deq.float(), {}, grid)
+        rtn = calibrate._rtn_dequant(w.float(), grid).double()
+        ref = [((x @ (w - wh).t()) ** 2).sum() / ((x @ w.t()) ** 2).sum() for wh in (deq, rtn)]
+        rows.append((w.float(), s, h, ref))
+    none = calibrate._Solved(None, None, None, {}, None)
+    calibrate.report_errors([(w, s, h) for w, s, h, _ in rows] + [(rows[0][0], none, None)])
+    for _, s, _, (eg, er) in rows:
+        _close(torch.tensor(s.info["err_gptq"]), eg.float(), rel=1e-4)
+        _close(torch.tensor(s.info["err_rtn"]), er.float(), rel=1e-4)
+    assert none.info == {"err_gptq": None, "err_rtn": None}

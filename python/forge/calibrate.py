@@ -192,19 +192,29 @@ def load_calibration(
 # Hessians and the GPTQ step
 
 
-def hessian_errors(w: torch.Tensor, w_hats: list[torch.Tensor], h: torch.Tensor) -> list[float]:
-    """Relative output errors ``‖X(W−Ŵ)ᵀ‖² / ‖XWᵀ‖²`` of each ``Ŵ`` from ``H = XᵀX`` (W is
-    ``(N, K)``): the products ``[W−Ŵ₁; …; W] · H`` as one matmul and one host sync. On CUDA it
-    runs in bf16 with fp32 accumulation (tensor cores; a report figure, good to ~3 significant
-    digits), on the CPU in fp32."""
+def _error_sums(w: torch.Tensor, w_hats: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """``[‖X(W−Ŵ₁)ᵀ‖², …, ‖XWᵀ‖²]`` from ``H = XᵀX`` (W is ``(N, K)``) on ``h``'s device, with
+    no host sync: the products ``[W−Ŵ₁; …; W] · H`` as one matmul. On CUDA it runs in bf16 with
+    fp32 accumulation (tensor cores; a report figure, good to ~3 significant digits), on the
+    CPU in fp32."""
     w = w.float()
     a = torch.cat([w - wh.float() for wh in w_hats] + [w])
     if h.is_cuda:
         ah = torch.mm(a.to(torch.bfloat16), h.to(torch.bfloat16), out_dtype=torch.float32)
     else:
         ah = a @ h.float()
-    *num, den = (ah * a).view(len(w_hats) + 1, w.shape[0], -1).sum((1, 2)).tolist()
+    return (ah * a).view(len(w_hats) + 1, w.shape[0], -1).sum((1, 2))
+
+
+def _relative(sums: list[float]) -> list[float]:
+    *num, den = sums
     return [x / den if den > 0 else 0.0 for x in num]
+
+
+def hessian_errors(w: torch.Tensor, w_hats: list[torch.Tensor], h: torch.Tensor) -> list[float]:
+    """Relative output errors ``‖X(W−Ŵ)ᵀ‖² / ‖XWᵀ‖²`` of each ``Ŵ`` from ``H = XᵀX`` (W is
+    ``(N, K)``; see ``_error_sums``), with one host sync."""
+    return _relative(_error_sums(w, w_hats, h).tolist())
 
 
 def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
@@ -384,15 +394,38 @@ def _solve_batch(
         return out
 
 
-def hessian_error_of(w: torch.Tensor, s: _Solved, h: torch.Tensor | None) -> None:
-    """Adds GPTQ's and RTN's (same grid) relative output errors to ``s``'s report row."""
-    if h is None:
-        s.info.update(err_gptq=None, err_rtn=None)
-        return
+def report_errors(solved: list[tuple[torch.Tensor, _Solved, torch.Tensor | None]]) -> None:
+    """Adds GPTQ's and RTN's (same grid) relative output errors to the report row of each
+    ``(W, solved, H)`` (None without a Hessian). The sums stay on the device and come to the
+    host in one sync (an expert batch has hundreds of them)."""
     with PHASES("report errors"):
-        wd = w.to(h.device).float()
-        g, r = hessian_errors(wd, [s.deq.to(h.device), _rtn_dequant(wd, s.grid)], h)
-        s.info.update(err_gptq=g, err_rtn=r)
+        sums = []
+        for w, s, h in solved:
+            if h is None:
+                s.info.update(err_gptq=None, err_rtn=None)
+                continue
+            wd = w.to(h.device).float()
+            sums.append((s, _error_sums(wd, [s.deq.to(h.device), _rtn_dequant(wd, s.grid)], h)))
+        if not sums:
+            return
+        by_device: dict[torch.device, list] = {}
+        for s, t in sums:
+            by_device.setdefault(t.device, []).append((s, t))
+        for group in by_device.values():
+            values = torch.stack([t for _, t in group]).tolist()
+            for (s, _), row in zip(group, values, strict=True):
+                g, r = _relative(row)
+                s.info.update(err_gptq=g, err_rtn=r)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of ``t``; from a GPU into page-locked memory (a fast copy; torch's
+    caching host allocator hands the block back for reuse once the copy is dropped)."""
+    if not t.is_cuda:
+        return t.contiguous()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -1402,9 +1435,9 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             hf = h.full() / max(h.tokens, 1)
             _tap("hessian", module=name, hessian=hf, tokens=h.tokens)
             s = _solve(w, hf, opts, h.tokens, None)
-            hessian_error_of(w, s, hf)
+            report_errors([(w, s, hf)])
             with PHASES("pack+write"):
-                ctx.sess.write_linear(name, s.codes.cpu().contiguous(), s.qmeta.cpu().contiguous())
+                ctx.sess.write_linear(name, _to_host(s.codes), _to_host(s.qmeta))
             mod.weight.data = s.deq.to(w.device, w.dtype)
             ctx.report.append({"layer": li, "module": name, **s.info})
         del hs
@@ -1589,7 +1622,7 @@ def _solve_group(items: list[dict], key: str, opts: dict) -> None:
     for it in items:
         if it[key + "_h"] is None:
             it[key] = _solve(it[key + "_w"], None, opts, it["n"], it["fallback"])
-        hessian_error_of(it[key + "_w"], it[key], it[key + "_h"])
+    report_errors([(it[key + "_w"], it[key], it[key + "_h"]) for it in items])
 
 
 def _solve_experts(
@@ -1698,7 +1731,7 @@ def _solve_experts(
                 ):
                     if base + leaf in planned:
                         with PHASES("copy to host"):
-                            c_host, q_host = codes.cpu().contiguous(), qmeta.cpu().contiguous()
+                            c_host, q_host = _to_host(codes), _to_host(qmeta)
                         writes.append(pool.submit(ctx.sess.write_linear, base + leaf, c_host, q_host))
                 for leaf, s in ((f"{fam.gate}+{fam.up}", s_gu), (fam.down, s_d)):
                     ctx.report.append({"layer": li, "module": base + leaf, "expert": e, **s.info})
