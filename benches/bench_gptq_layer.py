@@ -179,6 +179,12 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--keep", default=None, help="build the checkpoint here and keep it")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="after the timed runs, profile one more run of the smallest token count and write "
+        "torch.profiler's table (CUDA time by operator) to this file",
+    )
     args = ap.parse_args()
     import forge
 
@@ -194,13 +200,21 @@ def main() -> int:
                           "bytes": sum(f.stat().st_size for f in src.iterdir())})  # fmt: skip
     seqlen = 512
     runs = []
-    for tokens in [int(t) for t in str(args.tokens).split(",")]:
+    counts = [int(t) for t in str(args.tokens).split(",")]
+    for tokens in counts + ([min(counts)] if args.profile else []):
+        profiling = args.profile is not None and len(runs) == len(counts)
         nsamples = max(1, tokens // seqlen)
         ids = torch.randint(0, 4096, (nsamples * seqlen * 2,), generator=torch.Generator().manual_seed(1))
         calib = root / "calib.pt"
         torch.save(ids, calib)
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        prof = None
+        if profiling:
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
         try:
             rep = forge.quantize_model(
                 src, out, method="gptq", calib=calib, nsamples=nsamples, seqlen=seqlen, group_size=128,
@@ -211,6 +225,14 @@ def main() -> int:
             write_row(args.json, {"row": "gptq layer", "tokens": nsamples * seqlen, "error": repr(exc)})
             raise
         wall = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            table = prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=60, max_name_column_width=70
+            )
+            Path(args.profile).write_text(table)
+            print(table, flush=True)
+            break
         report = json.loads((out / "forge" / "report.json").read_text())
         phases = report["phase_seconds"]
         peak = torch.cuda.max_memory_allocated() / 2**30
