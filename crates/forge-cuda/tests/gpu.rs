@@ -965,3 +965,66 @@ fn fp8_block_scales_read_by_the_kernels_bit_exact() {
     }
     eprintln!("fp8 block scales: grid, mse and pack bit-exact");
 }
+
+/// Every non-NaN fp8 E4M3 byte (subnormals, both zeros, ±448) decodes on the GPU to
+/// forge-core's value: row `b` holds byte `b` once in a group of zeros, so the range grid's
+/// scale (log2 in 1/256 octaves) and zero point pin the decoded value, without and with a
+/// block scale; the fused pack of the same rows is checked too.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn every_e4m3_byte_decodes_as_forge_core() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    let (n, k) = (256usize, 128usize);
+    let spec = GridSpec {
+        bits: 4,
+        group_size: 32,
+        symmetric: false,
+    };
+    let mut w = vec![F8E4M3(0); n * k];
+    for b in 0..n {
+        let byte = if b & 0x7F == 0x7F { 0 } else { b as u8 };
+        w[b * k + (b % 4) * 32 + b % 32] = F8E4M3(byte);
+    }
+    for scale in [None, Some(0.375f32)] {
+        let (rb, cb) = (n.div_ceil(ops::FP8_BLOCK), k.div_ceil(ops::FP8_BLOCK));
+        let scales: Vec<f32> = (0..rb * cb)
+            .map(|i| scale.unwrap_or(1.0) * (1 + i) as f32)
+            .collect();
+        let x: Vec<f32> = (0..n * k)
+            .map(|i| match scale {
+                None => w[i].to_f32(),
+                Some(_) => w[i].to_f32() * scales[(i / k) / ops::FP8_BLOCK * cb],
+            })
+            .collect();
+        let cpu = build_range(&x, n, k, &spec).unwrap();
+        let dw = DeviceBuf::from_slice(0, &w).unwrap();
+        let ds = DeviceBuf::from_slice(0, &scales).unwrap();
+        let dq = DeviceBuf::zeroed(0, n * spec.groups(k) * 4).unwrap();
+        let bs = if scale.is_some() { ds.ptr() } else { 0 };
+        let grid = ops::QmetaGrid {
+            x: dw.ptr(),
+            dtype: DType::F8E4M3,
+            rows: n,
+            cols: k,
+            spec,
+            qmeta: dq.ptr(),
+            block_scale: bs,
+        };
+        unsafe { ops::qmeta_range(&grid, S) }.unwrap();
+        synchronize(0).unwrap();
+        let g: Vec<u32> = dq.download().unwrap();
+        assert_eq!(g, u32s_of(&cpu), "e4m3 grid, block scale {scale:?}");
+        let want = forge_core::pack::quantize_pack_awq(&x, &cpu, n, k, &spec).unwrap();
+        let a = ops::QuantizePack {
+            w: dw.ptr(),
+            dtype: DType::F8E4M3,
+            n,
+            k,
+            qmeta: dq.ptr(),
+            spec,
+            block_scale: bs,
+        };
+        assert_quantize_pack(&a, &want);
+    }
+    eprintln!("every e4m3 byte: grid and pack bit-exact");
+}
