@@ -62,7 +62,7 @@ __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int 
 }
 
 // MSE / L^p refinement. One warp per group; the group's elements are staged in shared
-// memory (G <= 1024, blockDim 128 => 4 groups per block).
+// memory (G <= 1024, a multiple of 32; blockDim 128 => 4 groups per block).
 template <int DT>
 __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int rows, int cols, int G,
                                                int bits, int n_grid, float norm, float max_shrink,
@@ -86,9 +86,13 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
     const u32 meta = qmeta[gid];
     const GroupParams p0 = qmeta_params(meta, bits);
     const bool l2 = (norm == 2.0f);
+    // One candidate per lane (ci = lane, lane + 32, ...), each summed over the whole group in
+    // forge_core::grid::candidate_loss's order: 32 strided partial sums (partial l takes
+    // elements l, l + 32, ... in turn; G % 32 == 0), then the halving tree. The loss is the
+    // same float as the CPU's, and no shuffles are spent per candidate.
     float best = f_inf();
-    int best_q = (int)(short)(meta & 0xFFFFu);
-    for (int ci = 0; ci < n_grid; ci++) {
+    int best_ci = 0x7FFFFFFF, best_q = 0;
+    for (int ci = lane; ci < n_grid; ci += 32) {
         // Evaluated at the scale that would be stored: decode(encode(max(s0 * p, SCALE_MIN))),
         // as forge_core::grid::mse_refine_group.
         float sc = p0.scale * mse_candidate(ci, n_grid, max_shrink);
@@ -96,28 +100,48 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
         const int q = encode_log2_q88(sc);
         const float s = decode_scale(q);
         const float inv = 1.0f / s;
-        float acc = 0.0f;
-        for (int i = lane; i < G; i += 32) {
-            float xv = buf[i];
-            float q = xv * inv;
-            q = q + p0.zero;
-            q = rintf(q);
-            q = fminf(fmaxf(q, 0.0f), p0.maxq);
-            float e = (q - p0.zero) * s;
-            e = e - xv;
-            float l = l2 ? e * e : pow_p(fabsf(e), norm);
-            acc = acc + l;
+        float part[32];
+#pragma unroll
+        for (int l = 0; l < 32; l++) part[l] = 0.0f;
+        for (int c = 0; c < G; c += 32) {
+#pragma unroll
+            for (int l = 0; l < 32; l++) {
+                const float xv = buf[c + l];  // the same address in every lane: a broadcast
+                float t = xv * inv;
+                t = t + p0.zero;
+                t = rintf(t);
+                t = fminf(fmaxf(t, 0.0f), p0.maxq);
+                float e = (t - p0.zero) * s;
+                e = e - xv;
+                const float loss = l2 ? e * e : pow_p(fabsf(e), norm);
+                part[l] = part[l] + loss;
+            }
         }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) {
-            float o = __shfl_down_sync(0xffffffffu, acc, off);
-            if (lane < off) acc = acc + o;
+#pragma unroll
+            for (int l = 0; l < off; l++) part[l] = part[l] + part[l + off];
         }
-        if (acc < best) {  // lane 0's value is the loss; lowest index wins ties
-            best = acc;
+        if (part[0] < best) {  // a lane's candidates ascend: the lowest index wins ties
+            best = part[0];
+            best_ci = ci;
             best_q = q;
         }
     }
+    // The lowest loss over the lanes, the lowest candidate index among equal losses (the CPU's
+    // first strictly better candidate); a NaN loss never wins, as there.
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+        const int oc = __shfl_xor_sync(0xffffffffu, best_ci, off);
+        const int oq = __shfl_xor_sync(0xffffffffu, best_q, off);
+        if (ob < best || (ob == best && oc < best_ci)) {
+            best = ob;
+            best_ci = oc;
+            best_q = oq;
+        }
+    }
+    if (best_ci == 0x7FFFFFFF) best_q = (int)(short)(meta & 0xFFFFu);
     if (lane == 0) qmeta[gid] = make_qmeta(best_q, (meta >> 16) & 0xFFu, (meta >> 24) & 1u);
 }
 
