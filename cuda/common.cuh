@@ -3,8 +3,8 @@
 // Compiled at run time by NVRTC (crates/forge-cuda), with `--fmad=false`, no fast math,
 // and WITHOUT any CUDA header: halves and bf16 are handled as raw 16-bit patterns and
 // converted with PTX `cvt`. The runtime prepends a generated header that defines the
-// tables FORGE_THRESH_BITS / FORGE_POW2_BITS (copied bit for bit from forge-core), so CPU
-// and GPU use identical constants (fp8 bytes are decoded arithmetically, see e4m3_to_f32). The arithmetic mirrors
+// tables FORGE_THRESH_BITS / FORGE_POW2_BITS / FORGE_E4M3_BITS (copied bit for bit from
+// forge-core), so CPU and GPU use identical constants. The arithmetic mirrors
 // docs/numerics.md and forge-core exactly; keep the two in sync.
 
 typedef unsigned char u8;
@@ -43,17 +43,9 @@ __device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
     asm("{ .reg .b16 t; cvt.rn.bf16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
     return h;
 }
-// fp8 E4M3 (e4m3fn) -> f32, bit-identical to FORGE_E4M3_BITS (forge_core::dtype): the 7
-// magnitude bits placed under the f32 exponent and scaled by 2^120 (bias 7 -> 127; a
-// subnormal becomes an f32 denormal first, and the product is exact: no FTZ); 0x7F / 0xFF
-// are the quiet NaN. Arithmetic, not a table lookup: a warp decoding 256 different bytes
-// would read up to 8 cache lines per load.
-__device__ __forceinline__ float e4m3_to_f32(u32 b) {
-    const u32 m = b & 0x7Fu;
-    if (m == 0x7Fu) return __uint_as_float(0x7FC00000u);
-    const float mag = __uint_as_float(m << 20) * __uint_as_float(0x7B800000u);
-    return __uint_as_float(__float_as_uint(mag) | ((b & 0x80u) << 24));
-}
+// A table read (1 KB, stays in L1): measured faster than decoding the bits arithmetically
+// (fused FP8 pack of 7168x18432 on an H200: 137 vs 148 us).
+__device__ __forceinline__ float e4m3_to_f32(u8 b) { return __uint_as_float(FORGE_E4M3_BITS[b]); }
 
 // FP8 block scales (DeepSeek's `weight_scale_inv`): element [r, c] of an F8_E4M3 weight is
 // e4m3(x[r, c]) * bs[(r / 128) * bcols + c / 128], one f32 multiply as

@@ -61,6 +61,54 @@ __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int 
     }
 }
 
+// The MSE / L^p search of one group staged in `buf` (G elements, G % 32 == 0), candidates in
+// index order, each loss summed as forge_core::grid::candidate_loss sums it (lane-strided
+// partial sums, then the shfl_down tree): the result is bit-identical to the CPU's. A
+// candidate's stored scale (an encode, a decode and a division) is computed once, by lane
+// `ci % 32`, for 32 candidates at a time, and broadcast by shuffles. L2 is the norm == 2 case.
+template <bool L2>
+__device__ __forceinline__ int mse_search(const float* buf, int G, int lane, const GroupParams& p0, u32 meta,
+                                          int n_grid, float norm, float max_shrink) {
+    float best = f_inf();
+    int best_q = (int)(short)(meta & 0xFFFFu);
+    for (int c0 = 0; c0 < n_grid; c0 += 32) {
+        // Evaluated at the scale that would be stored: decode(encode(max(s0 * p, SCALE_MIN))),
+        // as forge_core::grid::mse_refine_group.
+        float sc = p0.scale * mse_candidate(min(c0 + lane, n_grid - 1), n_grid, max_shrink);
+        sc = fmaxf(sc, forge_scale_min());
+        const int lane_q = encode_log2_q88(sc);
+        const float lane_s = decode_scale(lane_q);
+        const float lane_inv = 1.0f / lane_s;
+        const int m = min(32, n_grid - c0);
+        for (int j = 0; j < m; j++) {
+            const int q = __shfl_sync(0xffffffffu, lane_q, j);
+            const float s = __shfl_sync(0xffffffffu, lane_s, j);
+            const float inv = __shfl_sync(0xffffffffu, lane_inv, j);
+            float acc = 0.0f;
+            for (int i = lane; i < G; i += 32) {
+                const float xv = buf[i];
+                float t = xv * inv;
+                t = t + p0.zero;
+                t = rintf(t);
+                t = fminf(fmaxf(t, 0.0f), p0.maxq);
+                float e = (t - p0.zero) * s;
+                e = e - xv;
+                acc = acc + (L2 ? e * e : pow_p(fabsf(e), norm));
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) {
+                const float o = __shfl_down_sync(0xffffffffu, acc, off);
+                if (lane < off) acc = acc + o;
+            }
+            if (acc < best) {  // lane 0's value is the loss; lowest index wins ties
+                best = acc;
+                best_q = q;
+            }
+        }
+    }
+    return best_q;
+}
+
 // MSE / L^p refinement. One warp per group; the group's elements are staged in shared
 // memory (G <= 1024, a multiple of 32; blockDim 128 => 4 groups per block).
 template <int DT>
@@ -85,63 +133,8 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
     __syncwarp();
     const u32 meta = qmeta[gid];
     const GroupParams p0 = qmeta_params(meta, bits);
-    const bool l2 = (norm == 2.0f);
-    // One candidate per lane (ci = lane, lane + 32, ...), each summed over the whole group in
-    // forge_core::grid::candidate_loss's order: 32 strided partial sums (partial l takes
-    // elements l, l + 32, ... in turn; G % 32 == 0), then the halving tree. The loss is the
-    // same float as the CPU's, and no shuffles are spent per candidate.
-    float best = f_inf();
-    int best_ci = 0x7FFFFFFF, best_q = 0;
-    for (int ci = lane; ci < n_grid; ci += 32) {
-        // Evaluated at the scale that would be stored: decode(encode(max(s0 * p, SCALE_MIN))),
-        // as forge_core::grid::mse_refine_group.
-        float sc = p0.scale * mse_candidate(ci, n_grid, max_shrink);
-        sc = fmaxf(sc, forge_scale_min());
-        const int q = encode_log2_q88(sc);
-        const float s = decode_scale(q);
-        const float inv = 1.0f / s;
-        float part[32];
-#pragma unroll
-        for (int l = 0; l < 32; l++) part[l] = 0.0f;
-        for (int c = 0; c < G; c += 32) {
-#pragma unroll
-            for (int l = 0; l < 32; l++) {
-                const float xv = buf[c + l];  // the same address in every lane: a broadcast
-                float t = xv * inv;
-                t = t + p0.zero;
-                t = rintf(t);
-                t = fminf(fmaxf(t, 0.0f), p0.maxq);
-                float e = (t - p0.zero) * s;
-                e = e - xv;
-                const float loss = l2 ? e * e : pow_p(fabsf(e), norm);
-                part[l] = part[l] + loss;
-            }
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-#pragma unroll
-            for (int l = 0; l < off; l++) part[l] = part[l] + part[l + off];
-        }
-        if (part[0] < best) {  // a lane's candidates ascend: the lowest index wins ties
-            best = part[0];
-            best_ci = ci;
-            best_q = q;
-        }
-    }
-    // The lowest loss over the lanes, the lowest candidate index among equal losses (the CPU's
-    // first strictly better candidate); a NaN loss never wins, as there.
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ob = __shfl_xor_sync(0xffffffffu, best, off);
-        const int oc = __shfl_xor_sync(0xffffffffu, best_ci, off);
-        const int oq = __shfl_xor_sync(0xffffffffu, best_q, off);
-        if (ob < best || (ob == best && oc < best_ci)) {
-            best = ob;
-            best_ci = oc;
-            best_q = oq;
-        }
-    }
-    if (best_ci == 0x7FFFFFFF) best_q = (int)(short)(meta & 0xFFFFu);
+    const int best_q = norm == 2.0f ? mse_search<true>(buf, G, lane, p0, meta, n_grid, norm, max_shrink)
+                                    : mse_search<false>(buf, G, lane, p0, meta, n_grid, norm, max_shrink);
     if (lane == 0) qmeta[gid] = make_qmeta(best_q, (meta >> 16) & 0xFFu, (meta >> 24) & 1u);
 }
 

@@ -39,36 +39,23 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     const int k0 = blockIdx.x * QP_BK;
     const int ng = K / G;
     const int grp = k0 / G;
-    // Phase 1: quantize, 4 chunks of 8 consecutive k per thread. Every load is issued before
-    // the first shared-memory store: the weight arrives through a generic pointer the compiler
-    // cannot prove apart from `codes`, so loads left after a store would wait for it (one 8- or
-    // 16-byte load in flight per thread).
-    float v[4][8];
-    u32 meta[4];
-    float sc[4];
+    // Phase 1: quantize, 4 chunks of 8 consecutive k per thread.
 #pragma unroll
     for (int it = 0; it < 4; it++) {
-        const int c = tid + 256 * it;
-        const int n = n0 + (c >> 2), kc = c & 3;
-        sc[it] = 1.0f;
+        int c = tid + 256 * it;
+        int nl = c >> 2, kc = c & 3;
+        int n = n0 + nl;
         if (n < N) {
-            load8<DT>(w, (i64)n * K + k0 + 8 * kc, v[it]);
-            meta[it] = qmeta[(i64)n * ng + grp];
-            // 8 consecutive k (k % 8 == 0) share one 128-wide block
-            if (bs != nullptr) sc[it] = block_scale(bs, bcols, n, k0 + 8 * kc);
-        }
-    }
+            float v[8];
+            load8<DT>(w, (i64)n * K + k0 + 8 * kc, v);
+            if (bs != nullptr) {  // 8 consecutive k (k % 8 == 0) share one 128-wide block
+                const float sc = block_scale(bs, bcols, n, k0 + 8 * kc);
 #pragma unroll
-    for (int it = 0; it < 4; it++) {
-        const int c = tid + 256 * it;
-        const int nl = c >> 2, kc = c & 3;
-        if (n0 + nl < N) {
-            const GroupParams p = qmeta_params(meta[it], bits);
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const float x = bs != nullptr ? v[it][j] * sc[it] : v[it][j];
-                codes[(8 * kc + j) * QP_STRIDE + nl] = (u8)quant_code(x, p);
+                for (int j = 0; j < 8; j++) v[j] = v[j] * sc;
             }
+            GroupParams p = qmeta_params(qmeta[(i64)n * ng + grp], bits);
+#pragma unroll
+            for (int j = 0; j < 8; j++) codes[(8 * kc + j) * QP_STRIDE + nl] = (u8)quant_code(v[j], p);
         }
     }
     __syncthreads();

@@ -531,3 +531,28 @@ def test_report_errors_are_relative_output_errors_from_the_activations():
         _close(torch.tensor(s.info["err_gptq"]), eg.float(), rel=1e-4)
         _close(torch.tensor(s.info["err_rtn"]), er.float(), rel=1e-4)
     assert none.info == {"err_gptq": None, "err_rtn": None}
+
+
+@pytest.mark.parametrize("block", [None, 8])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_hessian_refuses_nan_or_inf_inputs(block, bad):
+    """A Hessian whose inputs held NaN or Inf (in any row, any later batch) is refused when
+    it is taken; a clean one equals ``XᵀX`` computed here. The forward's check agrees."""
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(20, 32, generator=g) for _ in range(3)]
+    h = calibrate._Hessian(32, torch.device("cpu"), block)
+    for x in xs:
+        h.add(x)
+    x = torch.cat(xs).double()
+    want = x.t() @ x
+    if block:
+        mask = torch.block_diag(*[torch.ones(block, block)] * (32 // block)).bool()
+        want = torch.where(mask, want, 0.0)
+    _close(h.full().double(), want, rel=1e-5)
+    assert calibrate._all_finite(x)
+    dirty = xs[2].clone()
+    dirty[7, 13] = bad
+    assert not calibrate._all_finite(dirty)
+    h.add(dirty)
+    with pytest.raises(errors.InvalidValueError, match="NaN or Inf"):
+        h.full()
