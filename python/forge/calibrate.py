@@ -617,12 +617,24 @@ def _tensor(sess, name: str) -> torch.Tensor:
     return t.view(dt).reshape(shape)
 
 
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a view of the mapped source) on ``device``. To a GPU through page-locked memory:
+    a (parallel) host copy out of the mapping, then a DMA that does not block; a pageable copy
+    of a DeepSeek-V3 layer (11.6 GB in ~2000 tensors) ran at ~8 GB/s. Torch's caching host
+    allocator reuses the staging blocks once their copies are done."""
+    if device.type != "cuda" or t.device.type != "cpu" or t.numel() == 0:
+        return t.to(device)
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    staged.copy_(t)
+    return staged.to(device, non_blocking=True)
+
+
 def _load_weight(sess, name: str, device: torch.device, dtype: torch.dtype, block: int) -> torch.Tensor:
     """A source tensor on ``device``: FP8 times its ``weight_scale_inv`` per block, else cast."""
     with PHASES("read"):
         t = _tensor(sess, name)
         if t.dtype == torch.float8_e4m3fn or t.dtype == dtype or not t.is_floating_point():
-            t = t.to(device)
+            t = _upload(t, device)
     if t.dtype == torch.float8_e4m3fn:
         with PHASES("fp8 dequant"):
             return _fp8_dequant(sess, name, t, device, dtype, block)
@@ -633,24 +645,19 @@ def _load_weight(sess, name: str, device: torch.device, dtype: torch.dtype, bloc
 
 
 def _fp8_dequant(sess, name: str, t: torch.Tensor, device, dtype, block: int) -> torch.Tensor:
-    if True:
-        scale_name = f"{name}_scale_inv"
-        if not sess.has_tensor(scale_name):
-            raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name}")
-        s = _tensor(sess, scale_name).to(device, torch.float32)
-        w = t.float()
-        n, k = w.shape
-        sb = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-        if sb.shape != w.shape:
-            raise CheckpointError(
-                f"{scale_name}: shape {tuple(s.shape)} does not cover {name} {tuple(w.shape)} in {block}x{block} blocks"
-            )
-        return (w * sb).to(dtype)
-    if t.is_floating_point():
-        return t.to(
-            device=device, dtype=dtype if t.dtype != torch.float32 or dtype != torch.float32 else dtype
+    """``t`` (FP8, on ``device``) times its ``weight_scale_inv`` per ``block x block`` block."""
+    scale_name = f"{name}_scale_inv"
+    if not sess.has_tensor(scale_name):
+        raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name}")
+    s = _tensor(sess, scale_name).to(device, torch.float32)
+    w = t.float()
+    n, k = w.shape
+    sb = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    if sb.shape != w.shape:
+        raise CheckpointError(
+            f"{scale_name}: shape {tuple(s.shape)} does not cover {name} {tuple(w.shape)} in {block}x{block} blocks"
         )
-    return t.to(device)
+    return (w * sb).to(dtype)
 
 
 # --------------------------------------------------------------------------------------
