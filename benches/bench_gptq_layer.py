@@ -183,7 +183,7 @@ def main() -> int:
         "--profile",
         default=None,
         help="after the timed runs, profile one more run of the smallest token count and write "
-        "torch.profiler's table (CUDA time by operator) to this file",
+        "torch.profiler's tables (operators by CUDA time and by their own CPU time) to this file",
     )
     args = ap.parse_args()
     import forge
@@ -227,8 +227,10 @@ def main() -> int:
         wall = time.perf_counter() - t0
         if prof is not None:
             prof.__exit__(None, None, None)
-            table = prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=60, max_name_column_width=70
+            ka = prof.key_averages()
+            table = "\n\n".join(
+                f"sorted by {key}\n" + ka.table(sort_by=key, row_limit=45, max_name_column_width=70)
+                for key in ("cuda_time_total", "self_cpu_time_total")
             )
             Path(args.profile).write_text(table)
             print(table, flush=True)
