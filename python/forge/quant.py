@@ -234,7 +234,9 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
             del low
             for m, i in enumerate(ids):
                 _flip_into(work[m], out[i])
-            good = (info == 0) & torch.isfinite(work).flatten(1).all(1)
+            # A NaN or Inf anywhere makes the matrix's sum non-finite (one pass, where isfinite
+            # runs four); a sum beyond float32's range fails it too, and it is retried damped.
+            good = (info == 0) & torch.isfinite(work.sum(dim=(1, 2)))
             oks.append(good & (work.diagonal(dim1=1, dim2=2) > 0).all(1))
             del work
         ok = torch.cat(oks).tolist()
