@@ -445,12 +445,18 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Store:
-    """Per-chunk tensors kept on the compute device, in host memory, or in files."""
+    """Per-chunk tensors kept on the compute device, in host memory, or in files.
+
+    Chunks in host memory read by a GPU are copied one ahead: reading chunk ``i`` starts the
+    copy of chunk ``i + 1`` (wrapping around) on a side stream, so the next chunk crosses the
+    bus while this one computes (at 2M tokens an 80 GB card reads 29 GB per pass this way)."""
 
     def __init__(self, where: str, device: torch.device, folder: Path | None):
         self.where, self.device, self.folder = where, device, folder
         self.items: list[Any] = []
         self.meta: list[Any] = []
+        self._ahead: tuple[int, torch.Tensor, Any] | None = None  # (chunk, copy, its event)
+        self._copy_stream = None
         if where == "disk" and folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
 
@@ -467,7 +473,15 @@ class _Store:
         """Bytes of all chunks, without loading them."""
         return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for dt, shape in self.meta)
 
+    def _forget_ahead(self, i: int | None = None) -> None:
+        """Drops the copy made ahead (of chunk ``i`` only, when given), after it finished: its
+        page-locked source may be about to be overwritten."""
+        if self._ahead is not None and (i is None or self._ahead[0] == i):
+            self._ahead[2].synchronize()
+            self._ahead = None
+
     def __setitem__(self, i: int, t: torch.Tensor) -> None:
+        self._forget_ahead(i)
         self.meta[i] = (t.dtype, tuple(t.shape))
         if self.where == "gpu":
             self.items[i] = t.to(self.device)
@@ -490,12 +504,35 @@ class _Store:
         v = self.items[i]
         if isinstance(v, Path):
             return torch.load(v, map_location=self.device, weights_only=True)
-        return v.to(self.device, non_blocking=True)
+        if not (self.where == "cpu" and self.device.type == "cuda"):
+            return v.to(self.device, non_blocking=True)
+        here = torch.cuda.current_stream(self.device)
+        out = None
+        if self._ahead is not None:
+            j, t, ev = self._ahead
+            self._ahead = None
+            if j == i:
+                here.wait_event(ev)
+                t.record_stream(here)  # its memory came from the side stream's pool
+                out = t
+        if out is None:
+            out = v.to(self.device, non_blocking=True)
+        nxt = (i + 1) % len(self.items)
+        if nxt != i and isinstance(self.items[nxt], torch.Tensor):
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._copy_stream):
+                t = self.items[nxt].to(self.device, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self._copy_stream)
+            self._ahead = (nxt, t, ev)
+        return out
 
     def __len__(self) -> int:
         return len(self.items)
 
     def drop(self) -> None:
+        self._forget_ahead()
         for v in self.items:
             if isinstance(v, Path):
                 v.unlink(missing_ok=True)
