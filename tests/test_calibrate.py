@@ -556,3 +556,18 @@ def test_hessian_refuses_nan_or_inf_inputs(block, bad):
     h.add(dirty)
     with pytest.raises(errors.InvalidValueError, match="NaN or Inf"):
         h.full()
+
+
+def test_host_buffers_fall_back_to_pageable_memory(monkeypatch):
+    """Page-locked host memory refused (no GPU, or the driver says no): the buffer is plain
+    pageable memory of the asked shape and dtype, not an error."""
+    real = torch.empty
+
+    def refuse(*a, pin_memory=False, **k):
+        if pin_memory:
+            raise RuntimeError("cudaHostAlloc: out of memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    b = calibrate._host_buffer((3, 5), torch.bfloat16)
+    assert b.shape == (3, 5) and b.dtype == torch.bfloat16 and not b.is_pinned()

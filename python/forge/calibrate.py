@@ -430,14 +430,21 @@ def report_errors(solved: list[tuple[torch.Tensor, _Solved, torch.Tensor | None]
                 s.info.update(err_gptq=g, err_rtn=r)
 
 
+def _host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor in page-locked memory (fast, asynchronous copies to and from the
+    GPU; torch's caching host allocator reuses freed blocks), or in pageable memory when
+    pinning is refused (slower copies, same results)."""
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    except RuntimeError:
+        return torch.empty(shape, dtype=dtype)
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous host copy of ``t``; from a GPU into page-locked memory (a fast copy; torch's
-    caching host allocator hands the block back for reuse once the copy is dropped)."""
+    """A contiguous host copy of ``t`` (from a GPU, into page-locked memory)."""
     if not t.is_cuda:
         return t.contiguous()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t)
-    return out
+    return _host_buffer(t.shape, t.dtype).copy_(t)
 
 
 # --------------------------------------------------------------------------------------
@@ -490,7 +497,7 @@ class _Store:
                 # straight into page-locked memory, reusing the chunk's buffer when it fits
                 old = self.items[i]
                 if not (isinstance(old, torch.Tensor) and old.shape == t.shape and old.dtype == t.dtype):
-                    old = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    old = _host_buffer(t.shape, t.dtype)
                 self.items[i] = old.copy_(t.detach())
             else:
                 self.items[i] = t.detach().to("cpu")
@@ -661,9 +668,7 @@ def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     allocator reuses the staging blocks once their copies are done."""
     if device.type != "cuda" or t.device.type != "cpu" or t.numel() == 0:
         return t.to(device)
-    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    staged.copy_(t)
-    return staged.to(device, non_blocking=True)
+    return _host_buffer(t.shape, t.dtype).copy_(t).to(device, non_blocking=True)
 
 
 def _load_weight(sess, name: str, device: torch.device, dtype: torch.dtype, block: int) -> torch.Tensor:
@@ -795,10 +800,7 @@ class _Collected:
         if on_device:
             self.x = torch.empty(tokens, d, dtype=dtype, device=device)
         else:
-            try:
-                self.x = torch.empty(tokens, d, dtype=dtype, pin_memory=True)
-            except RuntimeError:  # page-locked memory refused: pageable works, slower
-                self.x = torch.empty(tokens, d, dtype=dtype)
+            self.x = _host_buffer((tokens, d), dtype)
         self.at = 0
         self.ids: list[torch.Tensor] = []
         self.weights: list[torch.Tensor] = []
