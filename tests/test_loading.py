@@ -311,3 +311,25 @@ def test_missing_shard_file(folders, tmp_path):
     victim.unlink()
     with pytest.raises(CheckpointError, match=victim.name):
         forge.load_quantized(bad)
+
+
+@pytest.mark.parametrize("n,k", [(256, 384), (200, 300), (128, 130), (5, 7)])
+def test_fp8_block_dequant_is_the_product_of_each_element_and_its_block_scale(n, k):
+    """``w[r, c] * scale_inv[r // 128, c // 128]`` in float32, bit for bit, for whole and partial
+    edge blocks (the broadcast and the spread paths); a scale of the wrong shape is refused
+    with the tensor's name."""
+    from forge.errors import CheckpointError
+    from forge.loading import dequantize_fp8_blocks
+
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-n // 128), -(-k // 128), generator=g) + 0.01
+    rows = torch.arange(n)[:, None] // 128
+    cols = torch.arange(k)[None, :] // 128
+    want = w.float() * s[rows, cols]
+    got = dequantize_fp8_blocks(w, s, (128, 128), "m.safetensors: x.weight")
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    with pytest.raises(CheckpointError, match=r"m\.safetensors: x\.weight: weight_scale_inv has shape"):
+        dequantize_fp8_blocks(
+            w, torch.ones(s.shape[0], s.shape[1] + 1), (128, 128), "m.safetensors: x.weight"
+        )

@@ -688,18 +688,14 @@ def _load_weight(sess, name: str, device: torch.device, dtype: torch.dtype, bloc
 
 def _fp8_dequant(sess, name: str, t: torch.Tensor, device, dtype, block: int) -> torch.Tensor:
     """``t`` (FP8, on ``device``) times its ``weight_scale_inv`` per ``block x block`` block."""
+    from .loading import dequantize_fp8_blocks
+
     scale_name = f"{name}_scale_inv"
     if not sess.has_tensor(scale_name):
         raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name}")
-    s = _tensor(sess, scale_name).to(device, torch.float32)
-    w = t.float()
-    n, k = w.shape
-    sb = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    if sb.shape != w.shape:
-        raise CheckpointError(
-            f"{scale_name}: shape {tuple(s.shape)} does not cover {name} {tuple(w.shape)} in {block}x{block} blocks"
-        )
-    return (w * sb).to(dtype)
+    s = _tensor(sess, scale_name)
+    where = f"{sess.tensor(name).file}: {name}"
+    return dequantize_fp8_blocks(t, s, (block, block), where).to(dtype)
 
 
 # --------------------------------------------------------------------------------------

@@ -568,6 +568,28 @@ def _assemble(
     return model
 
 
+def dequantize_fp8_blocks(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], where: str
+) -> torch.Tensor:
+    """``w (N, K)`` (FP8) times ``scale_inv[r // bn, c // bk]`` in float32, on ``w``'s device:
+    DeepSeek's ``weight_scale_inv`` per ``bn x bk`` block, edge blocks partial. Whole blocks
+    broadcast the scales (no ``N x K`` scale tensor); the products are the same floats either
+    way. ``where`` (file and tensor) prefixes the error for a scale of the wrong shape."""
+    bn, bk = block
+    n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    if tuple(scale_inv.shape) != (nb, kb):
+        raise CheckpointError(
+            f"{where}: weight_scale_inv has shape {tuple(scale_inv.shape)}, expected ({nb}, {kb}) for "
+            f"{tuple(w.shape)} in {bn}x{bk} blocks"
+        )
+    x = w.to(torch.float32)
+    s = scale_inv.to(device=x.device, dtype=torch.float32)
+    if n % bn == 0 and k % bk == 0:
+        return (x.view(nb, bn, kb, bk) * s[:, None, :, None]).view(n, k)
+    return x * s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
 def _fp8_reader(shards: _Shards, qc: dict, path: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
     """Dense reads of an FP8 block-quantized folder: ``w = fp8 * scale_inv[block]``."""
     block = qc.get("weight_block_size")
@@ -584,15 +606,8 @@ def _fp8_reader(shards: _Shards, qc: dict, path: Path) -> tuple[Callable[[str], 
             return t
         if f"{name}_scale_inv" not in shards.file_of:
             raise CheckpointError(f"{shards.path(name)}: FP8 tensor {name!r} has no {name + '_scale_inv'!r}")
-        s = shards.get(f"{name}_scale_inv").to(torch.float32)
-        n, k = t.shape
-        if tuple(s.shape) != (-(-n // bn), -(-k // bk)):
-            raise CheckpointError(
-                f"{shards.path(name)}: {name}_scale_inv has shape {tuple(s.shape)}, expected "
-                f"({-(-n // bn)}, {-(-k // bk)}) for {tuple(t.shape)} in {bn}x{bk} blocks"
-            )
-        s = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-        return t.to(torch.float32) * s
+        s = shards.get(f"{name}_scale_inv")
+        return dequantize_fp8_blocks(t, s, (bn, bk), f"{shards.path(name)}: {name}")
 
     return get, used
 
