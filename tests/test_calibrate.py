@@ -571,3 +571,25 @@ def test_host_buffers_fall_back_to_pageable_memory(monkeypatch):
     monkeypatch.setattr(torch, "empty", refuse)
     b = calibrate._host_buffer((3, 5), torch.bfloat16)
     assert b.shape == (3, 5) and b.dtype == torch.bfloat16 and not b.is_pinned()
+
+
+@pytest.mark.parametrize("k", [96, 100])
+def test_grid_dequant_equals_the_per_element_formula(k):
+    """Dequantization and the report's RTN baseline, applied group by group from a batch grid,
+    equal ``(q − z)·fp16(s)`` and ``clamp(round(w/s + z))`` written per element here (a last
+    partial group included), for each matrix of the batch."""
+    from forge.quant import build_quant_grid, decode_qmeta
+
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(3, 8, k, generator=g)
+    qmeta = build_quant_grid(w.reshape(24, k), 32, 4, False, "minmax")[0].reshape(3, 8, -1, 4)
+    grids = calibrate._decode(qmeta, 32, k, "cpu")
+    scale, zero, sym = decode_qmeta(qmeta)
+    z = torch.where(sym, torch.full_like(zero, 8), zero).float().repeat_interleave(32, -1)[..., :k]
+    s = scale.repeat_interleave(32, -1)[..., :k]
+    for i in range(3):
+        codes = torch.randint(0, 16, (k, 8), generator=g, dtype=torch.uint8)
+        want = (codes.t().float() - z[i]) * s[i].half().float()
+        assert torch.equal(calibrate._dequant(codes, grids[i]), want)
+        q = torch.clamp(torch.round(w[i] * (1.0 / s[i]) + z[i]), 0, 15)
+        assert torch.equal(calibrate._rtn_dequant(w[i], grids[i]), (q - z[i]) * s[i].half().float())

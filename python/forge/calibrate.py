@@ -303,7 +303,7 @@ class _Solved:
     qmeta: torch.Tensor
     deq: torch.Tensor
     info: dict
-    grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # zero, fp16 scale, 1/scale per element
+    grid: _Grid
 
 
 def _grid_kw(opts: dict) -> dict:
@@ -312,33 +312,58 @@ def _grid_kw(opts: dict) -> dict:
     )
 
 
-def _decode(qmeta: torch.Tensor, g: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-element zero points, fp16-rounded scales (as AWQ stores them) and inverse scales,
-    each ``(..., N, K)`` on ``device``, from a grid ``(..., N, K/G, 4)`` (one host round trip
-    for a whole batch of grids)."""
+@dataclass
+class _Grid:
+    """A weight's quantization grid per group: zero points, fp16-rounded scales (as AWQ stores
+    them) and inverse scales, each ``(..., N, ceil(K/G))``; applied to ``(..., N, K)``
+    weights group by group (no per-element copies: for a batch of 24 DeepSeek experts these
+    were 12.7 GB)."""
+
+    zero: torch.Tensor
+    s16: torch.Tensor
+    inv: torch.Tensor
+    g: int
+    k: int
+
+    def __getitem__(self, i: int) -> _Grid:
+        return _Grid(self.zero[i], self.s16[i], self.inv[i], self.g, self.k)
+
+    def apply(self, x: torch.Tensor, fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """``fn(x, zero, s16, inv)`` with ``x`` viewed ``(..., N, K/G, G)`` (zero-padded to whole
+        groups) and the grid broadcast over each group; the result as ``(..., N, K)``."""
+        g, k = self.g, self.k
+        ng = self.zero.shape[-1]
+        if ng * g != k:
+            x = F.pad(x, (0, ng * g - k))
+        y = fn(
+            x.reshape(*x.shape[:-1], ng, g), self.zero[..., None], self.s16[..., None], self.inv[..., None]
+        )
+        return y.reshape(*x.shape[:-1], ng * g)[..., :k]
+
+
+def _decode(qmeta: torch.Tensor, g: int, k: int, device) -> _Grid:
+    """The grid ``(..., N, K/G, 4)`` decoded on ``device`` (one host round trip for a whole
+    batch of grids)."""
     from .quant import decode_qmeta
 
     scale, zero, sym = decode_qmeta(qmeta.cpu())
     z = torch.where(sym, torch.full_like(zero, 8), zero).float()
-
-    def spread(t):
-        return t.to(device).repeat_interleave(g, -1)[..., :k]
-
-    return spread(z), spread(scale.half().float()), spread(1.0 / scale)
+    return _Grid(z.to(device), scale.half().float().to(device), (1.0 / scale).to(device), g, k)
 
 
-def _dequant(codes: torch.Tensor, grid) -> torch.Tensor:
+def _dequant(codes: torch.Tensor, grid: _Grid) -> torch.Tensor:
     """``(N, K)`` float32 weight of codes ``(K, N)``, exactly as the AWQ checkpoint dequantizes
     (``(q − z) · fp16(scale)``), on the codes' device."""
-    z, s16, _ = grid
-    return (codes.t().float() - z) * s16
+    return grid.apply(codes.t().float(), lambda q, z, s16, _inv: (q - z) * s16)
 
 
-def _rtn_dequant(w: torch.Tensor, grid) -> torch.Tensor:
+def _rtn_dequant(w: torch.Tensor, grid: _Grid) -> torch.Tensor:
     """Round to nearest on the same grid (the report's RTN baseline), on ``w``'s device."""
-    z, s16, inv = grid
-    q = torch.clamp(torch.round(w.float() * inv + z), 0, 15)
-    return (q - z) * s16
+
+    def rtn(x, z, s16, inv):
+        return (torch.clamp(torch.round(x * inv + z), 0, 15) - z) * s16
+
+    return grid.apply(w.float(), rtn)
 
 
 def _info(method: str, tokens: int, fallback, t0: float, damp=None, retries=0, dead=0) -> dict:
@@ -397,7 +422,7 @@ def _solve_batch(
         out = []
         grids = _decode(qmeta, g, k, w.device)
         for i in range(b):
-            grid = tuple(t[i] for t in grids)
+            grid = grids[i]
             c = codes[i].to(w.device)
             info = _info(
                 "gptq", tokens[i], fallbacks[i], time.perf_counter() - dt, damp[i], retries[i], dead[i]
