@@ -8,6 +8,10 @@ use half::{bf16, f16};
 #[repr(transparent)]
 pub struct F8E4M3(pub u8);
 
+/// Side length of the square blocks of DeepSeek-style FP8 `weight_scale_inv`: element
+/// `[r, c]` of an F8_E4M3 weight is `e4m3(byte) · scale[r / FP8_BLOCK, c / FP8_BLOCK]`.
+pub const FP8_BLOCK: usize = 128;
+
 const fn e4m3_to_f32(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0f32 };
     let exp = ((b >> 3) & 0x0F) as i32;
@@ -134,5 +138,27 @@ mod tests {
         assert_eq!(E4M3_TABLE[0x01], 2f32.powi(-9)); // min subnormal
         assert_eq!(E4M3_TABLE[0xB8], -1.0);
         assert!(E4M3_TABLE[0x7F].is_nan() && E4M3_TABLE[0xFF].is_nan());
+    }
+
+    /// Every byte against the format's definition (OCP FP8 E4M3 "fn": sign, 4 exponent bits
+    /// of bias 7, 3 mantissa bits, subnormals at exponent 0, NaN at S.1111.111, no infinity),
+    /// computed here in f64: the table the CPU and the CUDA kernels share.
+    #[test]
+    fn e4m3_table_is_the_format_definition() {
+        for b in 0..=255u8 {
+            let (sign, e, m) = (b >> 7, i32::from((b >> 3) & 15), f64::from(b & 7));
+            let v = E4M3_TABLE[b as usize];
+            if e == 15 && m == 7.0 {
+                assert!(v.is_nan(), "{b:#04x}");
+                continue;
+            }
+            let mag = if e == 0 {
+                m / 8.0 * 2f64.powi(-6)
+            } else {
+                (1.0 + m / 8.0) * 2f64.powi(e - 7)
+            };
+            let want = if sign == 1 { -mag } else { mag } as f32;
+            assert_eq!(v.to_bits(), want.to_bits(), "{b:#04x}");
+        }
     }
 }

@@ -203,6 +203,12 @@ mod tests {
     }
 
     #[test]
+    fn fp8_block_of_the_kernels_is_forge_cores() {
+        let define = format!("#define FORGE_FP8_BLOCK {}\n", forge_core::dtype::FP8_BLOCK);
+        assert!(COMMON.contains(&define), "common.cuh lacks {define:?}");
+    }
+
+    #[test]
     fn header_has_the_tables() {
         let h = generated_header();
         assert!(h.contains("FORGE_THRESH_BITS[256]"));

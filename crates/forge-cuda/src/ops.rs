@@ -132,8 +132,9 @@ fn dev_of(s: Stream) -> Result<&'static Device> {
 /// (`weight_scale_inv`, f32 `[ceil(R/128), ceil(C/128)]`, row-major, 4-byte aligned) is read
 /// by the grid and fused pack launches as `e4m3(x[r, c]) · scale[r/128, c/128]`, one f32
 /// multiply, exactly as `forge_io::Checkpoint::dequantized_f32` computes it: the FP8 bytes
-/// go to the GPU as they are stored, never widened to f32 on the host.
-pub const FP8_BLOCK: usize = 128;
+/// go to the GPU as they are stored, never widened to f32 on the host. (`cuda/common.cuh`
+/// has the same value as `FORGE_FP8_BLOCK`; a test ties the two.)
+pub use forge_core::dtype::FP8_BLOCK;
 
 fn check_block_scale(ptr: u64, dtype: DType) -> Result<()> {
     if ptr == 0 {
@@ -254,33 +255,22 @@ pub unsafe fn qmeta_mse(a: &QmetaGrid, mse: &MseSpec, s: Stream) -> Result<()> {
 // ---------------------------------------------------------------------------------------
 // (b) packing
 
-/// Shape and grid checks shared by the pack launches (the CUDA side of
-/// `forge_core::pack::check_pack_shape`, with the argument named): a linear of `n` out
-/// features × `k` in features with `n % 8 == 0`, `k % G == 0`, 4-bit codes.
+/// Shape and grid checks shared by the pack launches: `forge_core::pack::check_pack_shape`
+/// (a linear of `n` out features × `k` in features with `n % 8 == 0`, `k % G == 0`, 4-bit
+/// codes), its failure named as the launch argument at fault, and sizes that fit an i32.
 fn check_pack_shape(n: usize, k: usize, spec: &GridSpec) -> Result<()> {
-    check_spec(spec)?;
-    if spec.bits != 4 {
-        return Err(CudaError::arg(
-            "spec",
-            "4 bits (the packed layouts hold int4 codes)",
-            format!("{} bits", spec.bits),
-        ));
-    }
-    if n == 0 || !n.is_multiple_of(8) {
-        return Err(CudaError::arg(
-            "n",
-            "a positive multiple of 8 (out features)",
-            n,
-        ));
-    }
-    let g = spec.group_size;
-    if k == 0 || !k.is_multiple_of(g) {
-        return Err(CudaError::arg(
-            "k",
-            format!("a positive multiple of group_size {g} (in features)"),
-            k,
-        ));
-    }
+    forge_core::pack::check_pack_shape(k, n, spec).map_err(|e| {
+        let arg = match &e {
+            forge_core::Error::Shape { name, .. } if name == "out_features" => "n",
+            forge_core::Error::Shape { name, .. } if name == "in_features" => "k",
+            _ => "spec",
+        };
+        CudaError::arg(
+            arg,
+            "a packable linear (n % 8 == 0, k % group_size == 0, 4 bits)",
+            e,
+        )
+    })?;
     to_i32("n", n)?;
     to_i32("k", k)?;
     Ok(())

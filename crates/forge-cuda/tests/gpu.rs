@@ -967,7 +967,8 @@ fn fp8_block_scales_read_by_the_kernels_bit_exact() {
 }
 
 /// Every non-NaN fp8 E4M3 byte (subnormals, both zeros, ±448) decodes on the GPU to
-/// forge-core's value: row `b` holds byte `b` once in a group of zeros, so the range grid's
+/// forge-core's value (itself checked byte by byte against the format's definition in
+/// `forge_core::dtype`'s tests): row `b` holds byte `b` once in a group of zeros, so the range grid's
 /// scale (log2 in 1/256 octaves) and zero point pin the decoded value, without and with a
 /// block scale; the fused pack of the same rows is checked too.
 #[test]

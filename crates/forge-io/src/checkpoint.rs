@@ -12,8 +12,7 @@ use crate::dtype::{decode_into, E4M3_TO_F32};
 use crate::header::{self, Entries};
 use crate::{Dtype, Error, Result, INDEX_FILE};
 
-/// Side length of the square blocks of DeepSeek-style FP8 `weight_scale_inv`.
-pub const FP8_BLOCK: usize = 128;
+pub use forge_core::dtype::FP8_BLOCK;
 
 /// A borrowed, zero-copy view of one tensor inside a memory-mapped shard.
 #[derive(Debug, Clone, Copy)]

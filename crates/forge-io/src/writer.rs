@@ -531,15 +531,9 @@ impl ShardWriter {
         Ok(&p.file_name)
     }
 
-    /// Fsyncs the data of the shard `file_name` (a planned file name), under
-    /// whichever name it has now.
-    pub fn sync(&self, file_name: &str) -> Result<()> {
-        let (file, path) = self.sync_handle(file_name)?;
-        file.sync_data().map_err(Error::io("fsync", &path, None))
-    }
-
-    /// A second handle on shard `file_name` (and its current path, for errors), for an
-    /// fsync that must not borrow the writer (e.g. on another thread).
+    /// A second handle on the shard `file_name` (a planned file name) and its current
+    /// path (for errors), to fsync its data without borrowing the writer (e.g. on another
+    /// thread, see `forge_run::UnitSync`).
     pub fn sync_handle(&self, file_name: &str) -> Result<(File, PathBuf)> {
         let Some((_, s)) = self
             .plan

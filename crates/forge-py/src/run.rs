@@ -489,10 +489,10 @@ impl Session {
 
     /// Makes unit `index` durable (its shards and `state` fsynced) without recording it; safe
     /// to run on another thread while the next unit is worked on. `commit` then only records.
-    #[pyo3(signature = (index, state = None))]
     ///
     /// The session is borrowed only to take the job, not while the fsyncs run, so the
     /// caller's thread may meanwhile bind experts and commit (methods that take it whole).
+    #[pyo3(signature = (index, state = None))]
     fn sync_unit(slf: &Bound<'_, Self>, index: usize, state: Option<PathBuf>) -> PyResult<()> {
         let py = slf.py();
         let job = {

@@ -73,7 +73,7 @@ pub struct Session {
     notes: Vec<String>,
     resumed: usize,
     resumed_bytes: u64,
-    /// Units whose bytes (and state file) [`Session::sync_unit`] has made durable.
+    /// Units whose bytes (and state file) a [`UnitSync`] has made durable.
     synced: Arc<std::sync::Mutex<HashMap<usize, Option<PathBuf>>>>,
     t0: Instant,
     _lock: OutDirLock,
@@ -641,7 +641,7 @@ impl Session {
             .lock()
             .is_ok_and(|m| m.get(&i).is_some_and(|s| s.as_deref() == state));
         if !synced {
-            self.sync_unit(i, state)?;
+            self.unit_sync(i, state)?.run()?;
         }
         if let Ok(mut m) = self.synced.lock() {
             m.remove(&i);
@@ -665,11 +665,6 @@ impl Session {
         self.ckpt
             .release(u.tensors.iter().map(|(name, _)| name.as_str()));
         Ok(())
-    }
-
-    /// Makes unit `i` durable without recording it (see [`Session::unit_sync`]).
-    pub fn sync_unit(&self, i: usize, state: Option<&Path>) -> Result<()> {
-        self.unit_sync(i, state)?.run()
     }
 
     /// The fsyncs that make unit `i` durable without recording it, as a job that owns what
