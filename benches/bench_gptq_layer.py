@@ -200,41 +200,29 @@ def main() -> int:
                           "bytes": sum(f.stat().st_size for f in src.iterdir())})  # fmt: skip
     seqlen = 512
     runs = []
-    counts = [int(t) for t in str(args.tokens).split(",")]
-    for tokens in counts + ([min(counts)] if args.profile else []):
-        profiling = args.profile is not None and len(runs) == len(counts)
+
+    def calibrate_once(tokens: int):
         nsamples = max(1, tokens // seqlen)
         ids = torch.randint(0, 4096, (nsamples * seqlen * 2,), generator=torch.Generator().manual_seed(1))
         calib = root / "calib.pt"
         torch.save(ids, calib)
+        return forge.quantize_model(
+            src, out, method="gptq", calib=calib, nsamples=nsamples, seqlen=seqlen, group_size=128,
+            device="cuda", overwrite=True, progress=False, few_tokens_threshold=args.few_tokens_threshold,
+            chunk_tokens=8192,
+        )  # fmt: skip
+
+    counts = [int(t) for t in str(args.tokens).split(",")]
+    for tokens in counts:
+        nsamples = max(1, tokens // seqlen)
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        prof = None
-        if profiling:
-            from torch.profiler import ProfilerActivity, profile
-
-            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            prof.__enter__()
         try:
-            rep = forge.quantize_model(
-                src, out, method="gptq", calib=calib, nsamples=nsamples, seqlen=seqlen, group_size=128,
-                device="cuda", overwrite=True, progress=False, few_tokens_threshold=args.few_tokens_threshold,
-                chunk_tokens=8192,
-            )  # fmt: skip
+            rep = calibrate_once(tokens)
         except Exception as exc:  # keep what was measured
             write_row(args.json, {"row": "gptq layer", "tokens": nsamples * seqlen, "error": repr(exc)})
             raise
         wall = time.perf_counter() - t0
-        if prof is not None:
-            prof.__exit__(None, None, None)
-            ka = prof.key_averages()
-            table = "\n\n".join(
-                f"sorted by {key}\n" + ka.table(sort_by=key, row_limit=45, max_name_column_width=70)
-                for key in ("cuda_time_total", "self_cpu_time_total")
-            )
-            Path(args.profile).write_text(table)
-            print(table, flush=True)
-            break
         report = json.loads((out / "forge" / "report.json").read_text())
         phases = report["phase_seconds"]
         peak = torch.cuda.max_memory_allocated() / 2**30
@@ -250,6 +238,18 @@ def main() -> int:
             row["layer_s"] - sum(v for k, v in phases.items() if k != "total") if row["layer_s"] else 0.0
         )
         print(f"peak GPU memory {peak:.1f} GiB; layer time outside the phases {outside:.2f} s")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            calibrate_once(min(counts))
+        ka = prof.key_averages()
+        table = "\n\n".join(
+            f"sorted by {key}\n" + ka.table(sort_by=key, row_limit=45, max_name_column_width=70)
+            for key in ("cuda_time_total", "self_cpu_time_total")
+        )
+        Path(args.profile).write_text(table)
+        print(table, flush=True)
     # Projection to 512 x 4096 calibration tokens. Upper bound: phases that scale with the
     # tokens (forward, Hessians, expert gather + forward) proportionally from the largest run,
     # the solves and I/O as they are (they depend on the weights only); proportional scaling

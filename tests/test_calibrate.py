@@ -509,9 +509,22 @@ def test_prefetch_reads_ahead_without_changing_a_byte(src, ids_file, tmp_path):
         sess.prefetch(len(units))
 
 
+def _rtn_reference(w: torch.Tensor, qmeta: torch.Tensor, g: int) -> torch.Tensor:
+    """Round to nearest on the grid, per element: ``(clamp(round(w/s + z), 0, 15) − z)·fp16(s)``."""
+    from forge.quant import decode_qmeta
+
+    scale, zero, sym = decode_qmeta(qmeta)
+    k = w.shape[-1]
+    z = torch.where(sym, torch.full_like(zero, 8), zero).float().repeat_interleave(g, -1)[..., :k]
+    s = scale.repeat_interleave(g, -1)[..., :k]
+    q = torch.clamp(torch.round(w.float() * (1.0 / s) + z), 0, 15)
+    return (q - z) * s.half().float()
+
+
 def test_report_errors_are_relative_output_errors_from_the_activations():
     """The report's ``err_gptq`` / ``err_rtn`` are ``‖X(W−Ŵ)ᵀ‖² / ‖XWᵀ‖²`` computed here from
-    the activations themselves, for several linears reported in one batch (one host sync)."""
+    the activations themselves (RTN on the grid written here per element), for several
+    linears reported in one batch (one host sync)."""
     g = torch.Generator().manual_seed(5)
     rows = []
     for n, k in [(8, 64), (16, 32), (4, 128)]:
@@ -522,7 +535,7 @@ def test_report_errors_are_relative_output_errors_from_the_activations():
         grid = calibrate._decode(qmeta, 32, k, "cpu")
         deq = w + 0.05 * torch.randn(n, k, generator=g, dtype=torch.float64)
         s = calibrate._Solved(None, qmeta, deq.float(), {}, grid)
-        rtn = calibrate._rtn_dequant(w.float(), grid).double()
+        rtn = _rtn_reference(w, qmeta, 32).double()
         ref = [((x @ (w - wh).t()) ** 2).sum() / ((x @ w.t()) ** 2).sum() for wh in (deq, rtn)]
         rows.append((w.float(), s, h, ref))
     none = calibrate._Solved(None, None, None, {}, None)
@@ -591,5 +604,4 @@ def test_grid_dequant_equals_the_per_element_formula(k):
         codes = torch.randint(0, 16, (k, 8), generator=g, dtype=torch.uint8)
         want = (codes.t().float() - z[i]) * s[i].half().float()
         assert torch.equal(calibrate._dequant(codes, grids[i]), want)
-        q = torch.clamp(torch.round(w[i] * (1.0 / s[i]) + z[i]), 0, 15)
-        assert torch.equal(calibrate._rtn_dequant(w[i], grids[i]), (q - z[i]) * s[i].half().float())
+        assert torch.equal(calibrate._rtn_dequant(w[i], grids[i]), _rtn_reference(w[i], qmeta[i], 32))

@@ -211,15 +211,9 @@ def _relative(sums: list[float]) -> list[float]:
     return [x / den if den > 0 else 0.0 for x in num]
 
 
-def hessian_errors(w: torch.Tensor, w_hats: list[torch.Tensor], h: torch.Tensor) -> list[float]:
-    """Relative output errors ``‖X(W−Ŵ)ᵀ‖² / ‖XWᵀ‖²`` of each ``Ŵ`` from ``H = XᵀX`` (W is
-    ``(N, K)``; see ``_error_sums``), with one host sync."""
-    return _relative(_error_sums(w, w_hats, h).tolist())
-
-
 def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
     """Relative output error ``‖X(W−Ŵ)ᵀ‖² / ‖XWᵀ‖²`` from ``H = XᵀX`` (W is ``(N, K)``)."""
-    return hessian_errors(w, [w_hat], h)[0]
+    return _relative(_error_sums(w, [w_hat], h).tolist())[0]
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
@@ -445,14 +439,10 @@ def report_errors(solved: list[tuple[torch.Tensor, _Solved, torch.Tensor | None]
             sums.append((s, _error_sums(wd, [s.deq.to(h.device), _rtn_dequant(wd, s.grid)], h)))
         if not sums:
             return
-        by_device: dict[torch.device, list] = {}
-        for s, t in sums:
-            by_device.setdefault(t.device, []).append((s, t))
-        for group in by_device.values():
-            values = torch.stack([t for _, t in group]).tolist()
-            for (s, _), row in zip(group, values, strict=True):
-                g, r = _relative(row)
-                s.info.update(err_gptq=g, err_rtn=r)
+        dev = sums[0][1].device
+        values = torch.stack([t.to(dev) for _, t in sums]).tolist()
+        for (s, _), row in zip(sums, values, strict=True):
+            s.info.update(zip(("err_gptq", "err_rtn"), _relative(row), strict=True))
 
 
 def _host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -503,7 +493,7 @@ class _Store:
 
     def nbytes(self) -> int:
         """Bytes of all chunks, without loading them."""
-        return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for dt, shape in self.meta)
+        return sum(math.prod(shape) * dt.itemsize for dt, shape in self.meta)
 
     def _forget_ahead(self, i: int | None = None) -> None:
         """Drops the copy made ahead (of chunk ``i`` only, when given), after it finished: its
@@ -591,7 +581,7 @@ def write_safetensors(
     in host memory at a time, unlike ``safetensors.torch.save_file``)."""
     header, at = {}, 0
     for name, (dt, shape) in shapes.items():
-        n = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+        n = math.prod(shape) * dt.itemsize
         header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [at, at + n]}
         at += n
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -816,7 +806,7 @@ class _Collected:
     DEVICE_SHARE = 0.6  # of the memory left on the compute device
 
     def __init__(self, tokens: int, d: int, dtype: torch.dtype, device: torch.device):
-        nbytes = tokens * d * torch.empty(0, dtype=dtype).element_size()
+        nbytes = tokens * d * dtype.itemsize
         on_device = device.type != "cuda" or nbytes <= self.DEVICE_SHARE * _gpu_room(device)
         if on_device:
             self.x = torch.empty(tokens, d, dtype=dtype, device=device)
@@ -1072,7 +1062,7 @@ def run_layerwise(model_dir: str | os.PathLike, out_dir: str | os.PathLike, opti
     # Chunks of whole windows.
     per = max(1, opts["chunk_tokens"] // opts["seqlen"])
     chunks = [ids[i : i + per] for i in range(0, len(ids), per)]
-    hidden_bytes = ids.numel() * cfg.hidden_size * (2 if dtype == torch.bfloat16 else 4)
+    hidden_bytes = ids.numel() * cfg.hidden_size * dtype.itemsize
     where = _where(opts, device, hidden_bytes, max((u["bytes_in"] for u in layer_units), default=0))
     off = Path(opts["offload_dir"]) if opts["offload_dir"] else Path(out_dir) / "forge-state" / "activations"
     notes = [f"calibration: {ids.shape[0]} windows x {ids.shape[1]} tokens, activations on {where}"]

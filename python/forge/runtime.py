@@ -62,7 +62,7 @@ def _check_device_awq(qweight, qzeros, scales, group_size: int, dev, stacked: bo
         if t.dtype != dtype:
             raise DTypeError(f"{name}: expected {dtype}, got {t.dtype}")
     lead = tuple(qweight.shape[: int(stacked)])
-    k, n = (qweight.shape[len(lead)] if qweight.dim() > len(lead) else 0), scales.shape[-1]
+    k, n = (qweight.shape[-2] if qweight.dim() >= 2 else 0), scales.shape[-1]
     if (
         tuple(qweight.shape) != (*lead, k, n // PACK)
         or tuple(qzeros.shape) != (*lead, k // group_size, n // PACK)
