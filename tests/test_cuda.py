@@ -149,6 +149,38 @@ def test_prepare_hessian_gpu_matches_cpu():
             assert torch.equal(b.perm.cpu(), a.perm)
 
 
+def test_prepare_hessian_batched_streams_match_cpu(monkeypatch):
+    """A batch spread over several CUDA streams (C = 2200 > 2048: one matrix per group; one
+    matrix indefinite, retried with more damping) gives the CPU's factors, and exactly the
+    same floats as one stream (same kernels, same inputs)."""
+    import forge.quant as q
+
+    g = torch.Generator().manual_seed(6)
+    c = 2200
+    hs = []
+    for _ in range(5):
+        x = torch.randn(2 * c, c, generator=g) * torch.rand(c, generator=g)
+        hs.append(2 * x.T @ x / x.shape[0])
+    off = 3 * float(hs[3][0, 0] * hs[3][1, 1]) ** 0.5  # a 2 x 2 minor [[a, o], [o, b]], o² > ab
+    hs[3][0, 1] = hs[3][1, 0] = off  # indefinite: needs damping
+    h = torch.stack(hs)
+    u_cpu, _, damp_cpu, retries_cpu, _ = forge.prepare_hessian_batched(h, 0.01)
+    assert retries_cpu[3] > 0 and retries_cpu[0] == 0
+    runs = {}
+    for streams in (1, 4):
+        monkeypatch.setattr(q, "PREPARE_STREAMS", streams)
+        runs[streams] = forge.prepare_hessian_batched(h.cuda(), 0.01)
+    u1, _, damp1, retries1, _ = runs[1]
+    u4, _, damp4, retries4, _ = runs[4]
+    assert torch.equal(u1, u4) and damp1 == damp4 and retries1 == retries4 == retries_cpu
+    assert damp4 == pytest.approx(damp_cpu, rel=1e-6)
+    for i in range(len(hs)):
+        err = torch.linalg.norm(u4[i].cpu().double() - u_cpu[i].double()) / torch.linalg.norm(
+            u_cpu[i].double()
+        )
+        assert err < 1e-3, (i, float(err))
+
+
 @pytest.mark.parametrize("t,d", [(300, 200), (4096, 2100), (2048, 4096)])
 def test_gram_blocks_match_float64(t, d):
     """calibrate.gram (upper column blocks on tensor cores, mirrored) is XᵀX of the bf16

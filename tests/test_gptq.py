@@ -159,7 +159,7 @@ def test_prepare_hessian_factor(layer, act_order, percdamp):
 
 @pytest.mark.parametrize("act_order", [False, True])
 def test_prepare_hessian_large_blocked_inverse(act_order):
-    """C = 1100 (> the 512 base case, not a multiple of 64): the blocked triangular inverse,
+    """C = 1100 = 275 · 2²: the level-by-level triangular inverse (275-wide leaves joined twice),
     the reversal and the batch loop against the float64 three-factorisation reference."""
     gen = torch.Generator().manual_seed(3)
     k = 1100

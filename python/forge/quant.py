@@ -144,29 +144,125 @@ def prepare_hessian(hessian: torch.Tensor, percdamp: float = 0.01, act_order: bo
 MAX_DAMP_RETRIES = 6
 
 
-_TRI_BASE = 512
+TRI_LEAF = 128
+"""Smallest diagonal block :func:`_tril_inverse` inverts by a triangular solve."""
+
+
+def _tri_leaf(n: int) -> int:
+    """The leaf size ``b`` of :func:`_tril_inverse` for order ``n``: ``n / 2^L`` for the largest
+    ``L`` that keeps it at least ``TRI_LEAF`` (``n`` itself when ``n`` is odd or small)."""
+    b = n
+    while b % 2 == 0 and b // 2 >= TRI_LEAF:
+        b //= 2
+    return b
+
+
+def _blocks(t: torch.Tensor, s: int, row: int, col: int, step: int) -> torch.Tensor:
+    """View ``(B, m, s, s)`` of the ``s x s`` blocks at block row ``row + k step``, column
+    ``col + k step`` (``k = 0, 1, ...``) of ``t (B, n, n)``, whatever its strides."""
+    bs, rs, cs = t.stride()
+    n = t.shape[-1]
+    m = (n // s - max(row, col) + step - 1) // step
+    return t.as_strided(
+        (t.shape[0], m, s, s),
+        (bs, step * s * (rs + cs), rs, cs),
+        t.storage_offset() + s * (row * rs + col * cs),
+    )
 
 
 def _tril_inverse(low: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = low⁻¹`` for lower-triangular ``low (..., n, n)`` with a nonzero diagonal, by
-    blocks: ``[[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]]``. About ``n³/3``
-    multiply-adds, nearly all in two GEMMs per level, against ``n³`` for a triangular solve
-    with an identity right-hand side; the working memory is one ``(n/2, n/2)`` product."""
+    """``out = low⁻¹`` for lower-triangular ``low (B, n, n)`` with a nonzero diagonal, level by
+    level: the diagonal blocks of the leaf size ``b`` (:func:`_tri_leaf`, ``n = b 2^L``) are
+    inverted in one batched triangular solve, then neighbouring pairs are joined, all pairs
+    of a level in one batched product: ``[[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]]``.
+    About ``n³/3`` multiply-adds in ``2 L`` GEMM launches, against ``n³`` for a triangular
+    solve with an identity right-hand side; ``out`` must not overlap ``low``."""
     n = low.shape[-1]
-    if n <= _TRI_BASE:
-        eye = torch.eye(n, device=low.device, dtype=low.dtype).expand_as(low)
-        out.copy_(torch.linalg.solve_triangular(low, eye, upper=False))
-        return
-    h = (n // 2 + 63) // 64 * 64
-    _tril_inverse(low[..., :h, :h], out[..., :h, :h])
-    _tril_inverse(low[..., h:, h:], out[..., h:, h:])
-    out[..., :h, h:].zero_()
-    out[..., h:, :h] = torch.matmul(out[..., h:, h:], torch.matmul(low[..., h:, :h], out[..., :h, :h])).neg_()
+    b = _tri_leaf(n)
+    out.zero_()
+    leaves = _blocks(low, b, 0, 0, 1)
+    eye = torch.eye(b, device=low.device, dtype=low.dtype).expand_as(leaves)
+    _blocks(out, b, 0, 0, 1).copy_(torch.linalg.solve_triangular(leaves, eye, upper=False))
+    s = b
+    while s < n:  # join pairs (2k, 2k + 1) of size s through their block below the diagonal
+        a_inv, d_inv = _blocks(out, s, 0, 0, 2), _blocks(out, s, 1, 1, 2)
+        c = _blocks(low, s, 1, 0, 2)
+        _blocks(out, s, 1, 0, 2).copy_(torch.matmul(d_inv, torch.matmul(c, a_inv)).neg_())
+        s *= 2
 
 
 def _flip_into(src: torch.Tensor, dst: torch.Tensor) -> None:
     """``dst = src`` with rows and columns reversed, written in place (no temporary)."""
     torch.ops.aten.flip.out(src, [0, 1], out=dst)
+
+
+PREPARE_STREAMS = 4
+"""CUDA streams over which :func:`prepare_hessian_batched` spreads its factorisations."""
+
+
+def _side_streams(device: torch.device, n: int) -> list:
+    """``n`` streams of ``device`` for independent work (none on the CPU or for ``n <= 1``)."""
+    if device.type != "cuda" or n <= 1:
+        return []
+    return [torch.cuda.Stream(device) for _ in range(n)]
+
+
+class _fanned:  # noqa: N801 (a context manager used like a function)
+    """``with _fanned(streams) as fan: ... with fan(i): work`` runs work ``i`` on
+    ``streams[i % len(streams)]`` (on the current stream when there are none). The side
+    streams first wait for the current one, and the current one waits for all of them on
+    exit, so tensors made before and used after are ordered as in one stream. Tensors
+    allocated inside a side stream's block and used after must be ``record_stream``-ed or
+    kept alive until the join (here: the caller's lists)."""
+
+    def __init__(self, streams: list):
+        self.streams = streams
+
+    def __enter__(self):
+        if self.streams:
+            here = torch.cuda.current_stream(self.streams[0].device)
+            for s in self.streams:
+                s.wait_stream(here)
+        return self
+
+    def __call__(self, i: int):
+        import contextlib
+
+        if not self.streams:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.streams[i % len(self.streams)])
+
+    def __exit__(self, *exc):
+        if self.streams:
+            here = torch.cuda.current_stream(self.streams[0].device)
+            for s in self.streams:
+                here.wait_stream(s)
+        return False
+
+
+def _factor_group(hessian, ids: list[int], ids_t: torch.Tensor, perm, fixed, damp, out) -> torch.Tensor:
+    """Writes ``U`` of matrices ``ids`` (``ids_t`` on the device) into ``out``; returns their
+    success mask (on the device). No host sync."""
+    c = hessian.shape[-1]
+    # work[m] = J Pᵀ (H + damp I) P J: processing order, reversed
+    work = torch.empty(len(ids), c, c, device=hessian.device, dtype=torch.float32)
+    for m, i in enumerate(ids):
+        if perm is None:
+            _flip_into(hessian[i], work[m])
+        else:
+            rev = perm[i].flip(0)
+            torch.index_select(hessian[i].index_select(0, rev), 1, rev, out=work[m])
+    d = fixed[ids_t].flip(1) if perm is None else torch.gather(fixed[ids_t], 1, perm[ids_t].flip(1))
+    work.diagonal(dim1=1, dim2=2).copy_(d + damp[ids_t, None])
+    low, info = torch.linalg.cholesky_ex(work)
+    _tril_inverse(low, work)
+    del low
+    for m, i in enumerate(ids):
+        _flip_into(work[m], out[i])
+    # A NaN or Inf anywhere makes the matrix's sum non-finite (one pass, where isfinite
+    # runs four); a sum beyond float32's range fails it too, and it is retried damped.
+    good = (info == 0) & torch.isfinite(work.sum(dim=(1, 2)))
+    return good & (work.diagonal(dim1=1, dim2=2) > 0).all(1)
 
 
 def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_order: bool = False):
@@ -181,9 +277,10 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
     ``J L⁻¹ J`` is upper triangular with a positive diagonal, so it is the Cholesky factor
     (unique). ``L⁻¹`` is formed by blocks (:func:`_tril_inverse`): about ``2/3 C³``
     multiply-adds in all, against about ``2 C³`` for factorising, inverting and factorising
-    again. Matrices are factorised one (C > 2048) or an eighth of the batch at a time and
-    written into the output: the working memory is at most about 0.3x the batch's Hessians
-    (or 2.3 matrices) besides the result. One host sync per attempt. fp32 throughout (TF32 is never enabled here; torch's default).
+    again. Matrices are factorised one (C > 2048) or an eighth of the batch at a time, on
+    ``PREPARE_STREAMS`` CUDA streams, and written into the output: the working memory is
+    about 2.3 matrices (C > 2048) or 0.3x the batch's Hessians per stream besides the result.
+    One host sync per attempt. fp32 throughout (TF32 is never enabled here; torch's default).
     """
     from .errors import DTypeError, HessianError, InvalidValueError, ShapeError
 
@@ -210,35 +307,21 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
     out = torch.empty_like(hessian)
     # Matrices factorised together (working memory ~2.3 x sub matrices): large ones one at a
     # time (torch's batched Cholesky of 7168² matrices measured 2x slower than a loop on an
-    # H100), small ones an eighth of the batch at a time.
+    # H100), small ones an eighth of the batch at a time. On CUDA the groups go round-robin
+    # over PREPARE_STREAMS streams: a single Cholesky keeps a fraction of the GPU busy (its
+    # panel steps are latency-bound), several in flight fill it.
     sub = 1 if c > 2048 else max(1, e // 8)
     retries = [0] * e
     todo = list(range(e))
+    streams = _side_streams(hessian.device, PREPARE_STREAMS)
     for attempt in range(MAX_DAMP_RETRIES + 1):
         oks = []
-        for j in range(0, len(todo), sub):
-            ids = todo[j : j + sub]
-            # work[m] = J Pᵀ (H + damp I) P J: processing order, reversed
-            work = torch.empty(len(ids), c, c, device=hessian.device, dtype=torch.float32)
-            for m, i in enumerate(ids):
-                if perm is None:
-                    _flip_into(hessian[i], work[m])
-                else:
-                    rev = perm[i].flip(0)
-                    torch.index_select(hessian[i].index_select(0, rev), 1, rev, out=work[m])
-            ids_t = torch.tensor(ids, device=hessian.device)
-            d = fixed[ids_t].flip(1) if perm is None else torch.gather(fixed[ids_t], 1, perm[ids_t].flip(1))
-            work.diagonal(dim1=1, dim2=2).copy_(d + damp[ids_t, None])
-            low, info = torch.linalg.cholesky_ex(work)
-            _tril_inverse(low, work)
-            del low
-            for m, i in enumerate(ids):
-                _flip_into(work[m], out[i])
-            # A NaN or Inf anywhere makes the matrix's sum non-finite (one pass, where isfinite
-            # runs four); a sum beyond float32's range fails it too, and it is retried damped.
-            good = (info == 0) & torch.isfinite(work.sum(dim=(1, 2)))
-            oks.append(good & (work.diagonal(dim1=1, dim2=2) > 0).all(1))
-            del work
+        todo_t = torch.tensor(todo, device=hessian.device)  # one copy; slices of it need none
+        with _fanned(streams) as fan:
+            for j in range(0, len(todo), sub):
+                with fan(j // sub):
+                    ids = todo[j : j + sub]
+                    oks.append(_factor_group(hessian, ids, todo_t[j : j + sub], perm, fixed, damp, out))
         ok = torch.cat(oks).tolist()
         todo = [i for i, good in zip(todo, ok, strict=True) if not good]
         if not todo:
