@@ -605,3 +605,25 @@ def test_grid_dequant_equals_the_per_element_formula(k):
         want = (codes.t().float() - z[i]) * s[i].half().float()
         assert torch.equal(calibrate._dequant(codes, grids[i]), want)
         assert torch.equal(calibrate._rtn_dequant(w[i], grids[i]), _rtn_reference(w[i], qmeta[i], 32))
+
+
+def test_expert_with_mismatched_shapes_is_refused(src, ids_file, tmp_path):
+    """An expert whose up projection is not the gate's shape (a broken checkpoint) is refused
+    with an error naming the expert's projections, before anything is written."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    found = False
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            t = load_file(f)
+            if name in t:
+                t[name] = t[name][:-8].clone()  # still packable: only the MLP is broken
+                found = True
+            save_file(t, bad / f.name, metadata={"format": "pt"})
+        else:
+            (bad / f.name).write_bytes(f.read_bytes())
+    assert found
+    with pytest.raises(errors.ShapeError, match=r"layer 1: expert 2: gate_proj .* up_proj"):
+        forge.quantize_model(bad, tmp_path / "o", **_opts(ids_file))
+    assert not (tmp_path / "o" / "config.json").exists()

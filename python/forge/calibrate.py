@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
-from .errors import CheckpointError, InvalidValueError
+from .errors import CheckpointError, InvalidValueError, ShapeError
 from .prune import kept_experts
 from .quant import build_quant_grid, quantize_rtn
 from .vllm_plugin import remap_routing
@@ -717,6 +717,14 @@ def _fp8_dequant(sess, name: str, t: torch.Tensor, device, dtype, block: int) ->
 # The routed experts during calibration
 
 
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in float32: on CUDA one GEMM with fp32 output (no rounding to ``a``'s dtype and
+    no widening pass), on the CPU the float32 product of the same values."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 class _RoutedExperts(torch.nn.Module):
     """Replaces a transformers experts module (``forward(x, top_k_index, top_k_weights)``).
 
@@ -727,7 +735,7 @@ class _RoutedExperts(torch.nn.Module):
 
     def __init__(self, weights: dict[int, list[torch.Tensor]], n_experts: int, act):
         super().__init__()
-        self.w = weights  # expert id -> [gate (I, D), up (I, D), down (D, I)]
+        self.w = weights  # expert id -> [gate and up stacked (2I, D), down (D, I)]
         self.n_experts, self.act = n_experts, act
         self.mode = "run"
         self.collected: _Collected | None = None
@@ -764,10 +772,11 @@ class _RoutedExperts(torch.nn.Module):
         ids = torch.where(m[idx.long()] >= 0, ids.to(idx.dtype), self.n_experts)
         return ids, w.to(wts.dtype)
 
-    def expert_out(self, e: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        g, u, d = self.w[e]
-        a = self.act(F.linear(x, g)) * F.linear(x, u)
-        return a, F.linear(a, d)
+    def hidden(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s down-projection input ``act(x Gᵀ) * (x Uᵀ)``: gate and up in one GEMM."""
+        h = F.linear(x, self.w[e][0])
+        i = h.shape[-1] // 2
+        return self.act(h[..., :i]).mul_(h[..., i:])
 
     def compute(self, x, idx, wts) -> torch.Tensor:
         """The routed output of tokens ``x (T, D)``: expert by expert, router weight times
@@ -786,8 +795,7 @@ class _RoutedExperts(torch.nn.Module):
             start += c
             tok = sel // k
             wt = wts.reshape(-1)[sel].float()
-            _, y = self.expert_out(e, x[tok])
-            y = y.float()
+            y = _mm_f32(self.hidden(e, x.index_select(0, tok)), self.w[e][1].t())
             if self.stats is not None:
                 reap[e] = (wt * y.norm(dim=-1)).double().sum()
             # an expert sees a token once: distinct rows, so the adds are deterministic
@@ -935,7 +943,13 @@ def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
                 if not ctx.sess.has_tensor(nm):
                     raise CheckpointError(f"layer {li}: missing tensor {nm!r}")
                 ws.append(_load_weight(ctx.sess, nm, ctx.device, ctx.dtype, ctx.block))
-            weights[e] = ws
+            g, u, d = ws
+            if g.shape != u.shape or d.shape != g.shape[::-1]:
+                raise ShapeError(
+                    f"layer {li}: expert {e}: {fam.gate} {tuple(g.shape)}, {fam.up} {tuple(u.shape)} "
+                    f"and {fam.down} {tuple(d.shape)} do not form an (I, D), (I, D), (D, I) MLP"
+                )
+            weights[e] = [torch.cat(ws[:2]), ws[2]]
         routed = _RoutedExperts(weights, n_exp, act)
         routed.ckpt_prefix = f"{pre}{ck}.experts."  # type: ignore[attr-defined]
     layer.to_empty(device=ctx.device)
@@ -1722,7 +1736,7 @@ def _solve_experts(
         starts.append(starts[-1] + c)
     thr = opts["few_tokens_threshold"]
     thr = max(1, d // 8 if thr is None else thr)
-    inter = routed.w[0][0].shape[0]
+    inter = routed.w[0][0].shape[0] // 2
     planned = {lin["module"] for lin in u["linears"]}
     pooled: dict[str, torch.Tensor] = {}
 
@@ -1745,9 +1759,6 @@ def _solve_experts(
     def ref() -> torch.Tensor:
         return col.rows(torch.arange(min(t, max(4 * thr, 1024)), device=dev), dev)
 
-    def act(x: torch.Tensor, gq: torch.Tensor, uq: torch.Tensor) -> torch.Tensor:
-        return routed.act(F.linear(x, gq)) * F.linear(x, uq)
-
     chunk = _expert_chunk(dev, d, inter)
     pbar = tqdm(total=routed.n_experts, desc=f"layer {li} experts", leave=False, disable=not opts["progress"])
     writes = []
@@ -1758,8 +1769,7 @@ def _solve_experts(
                 sel = order[starts[e] : starts[e + 1]]
                 it = {"e": e, "sel": sel, "n": int(sel.numel())}
                 it["fallback"] = opts["few_tokens"] if it["n"] < thr else None
-                g, up, _ = routed.w[e]
-                it["gu_w"] = torch.cat([g, up])
+                it["gu_w"] = routed.w[e][0]
                 if it["fallback"] == "pooled":
                     it["gu_h"] = pooled_gu()
                 elif it["fallback"] == "rtn":
@@ -1773,25 +1783,24 @@ def _solve_experts(
             _solve_group(items, "gu", opts)
             for it in items:
                 e = it["e"]
-                g = routed.w[e][0]
-                gq, uq = it["gu"].deq.to(g.device, g.dtype).split(inter)
-                routed.w[e][0], routed.w[e][1] = gq, uq
+                gu = routed.w[e][0]
+                routed.w[e][0] = it["gu"].deq.to(gu.device, gu.dtype)
                 it.pop("gu_h")
-                it["d_w"] = routed.w[e][2]
+                it["d_w"] = routed.w[e][1]
                 if it["fallback"] == "pooled":
-                    it["d_h"] = hess([act(ref(), gq, uq)], inter)
+                    it["d_h"] = hess([routed.hidden(e, ref())], inter)
                 elif it["fallback"] == "rtn":
                     it["d_h"] = None
                 else:
-                    it["d_h"] = hess((act(x, gq, uq) for x in gathered(it["sel"])), inter)
+                    it["d_h"] = hess((routed.hidden(e, x) for x in gathered(it["sel"])), inter)
                 if it["d_h"] is not None:
                     base = f"{routed.ckpt_prefix}{e}."
                     _tap("hessian", module=f"{base}{fam.down}", hessian=it["d_h"], tokens=it["n"])
             _solve_group(items, "d", opts)
             for it in items:
                 e, s_gu, s_d = it["e"], it["gu"], it["d"]
-                dn = routed.w[e][2]
-                routed.w[e][2] = s_d.deq.to(dn.device, dn.dtype)
+                dn = routed.w[e][1]
+                routed.w[e][1] = s_d.deq.to(dn.device, dn.dtype)
                 base = f"{routed.ckpt_prefix}{e}."
                 for leaf, codes, qmeta in (
                     (fam.gate, s_gu.codes[:, :inter], s_gu.qmeta[:inter]),
