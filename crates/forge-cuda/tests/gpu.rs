@@ -783,7 +783,7 @@ fn gptq_problem(
     r: usize,
     seed: u64,
     act_order: bool,
-) -> (Vec<f32>, forge_core::gptq::HessianFactor) {
+) -> (Vec<f32>, forge_core::gptq::reference::HessianFactor) {
     let mut rng = Lcg(seed);
     let w: Vec<f32> = (0..c * r).map(|_| rng.n() * 0.02).collect(); // weight_t [C, R]
                                                                     // Well-conditioned H = XᵀX / T with correlated inputs.
@@ -805,7 +805,7 @@ fn gptq_problem(
             h[i * c + j] = (s / t as f64) as f32;
         }
     }
-    let f = forge_core::gptq::prepare_hessian(&h, c, 0.01, act_order).unwrap();
+    let f = forge_core::gptq::reference::prepare_hessian(&h, c, 0.01, act_order).unwrap();
     (w, f)
 }
 
