@@ -1,8 +1,8 @@
 """GPU benchmark of the calibration's expert passes at DeepSeek-V3 scale against the plain
 formulation they replaced, run in the same process: the routed output of every calibration
 token (``forge.calibrate._routed_output``: gate and up stacked in one GEMM, the down projection
-straight to fp32) against per-expert ``act(x Gᵀ) * (x Uᵀ)`` then a bf16 down projection widened
-to fp32; and the down-projection inputs of every routed pair (what the down Hessians read),
+straight to fp32) against the same pass with each expert's output computed as
+``act(x Gᵀ) * (x Uᵀ)`` then a bf16 down projection widened to fp32; and the down-projection inputs of every routed pair (what the down Hessians read),
 one stacked GEMM against two.
 
     python benches/bench_routed_output.py [--tokens 2097152] [--json out.json]
@@ -26,25 +26,15 @@ import forge.calibrate as cal
 E, D, INTER, K = 256, 7168, 2048, 8
 
 
-def reference_compute(self, x, idx, wts):
-    """The replaced formulation (separate gate and up GEMMs, bf16 down output widened)."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=self.n_experts)[: self.n_experts].tolist()
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        sel = order[start : start + c]
-        start += c
-        tok = sel // idx.shape[1]
-        gu, dn = self.w[e]
-        xe = x[tok]
-        a = self.act(F.linear(xe, gu[:INTER])) * F.linear(xe, gu[INTER:])
-        y = F.linear(a, dn).float()
-        out.index_add_(0, tok, y.mul_(wts.reshape(-1)[sel].float()[:, None]))
-    return out.to(x.dtype)
+def reference_hidden(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    """The replaced formulation of an expert's down-projection input: gate and up apart."""
+    gu = self.w[e][0]
+    return self.act(F.linear(x, gu[:INTER])) * F.linear(x, gu[INTER:])
+
+
+def reference_output(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    """The replaced formulation of an expert's output: the down projection in bf16, widened."""
+    return F.linear(reference_hidden(self, e, x), self.w[e][1]).float()
 
 
 def main() -> None:
@@ -89,11 +79,7 @@ def main() -> None:
             sel = order[starts[e] : starts[e + 1]]
             for r0 in range(0, sel.numel(), cal.GATHER_ROWS):
                 x = xs.index_select(0, sel[r0 : r0 + cal.GATHER_ROWS] // K)
-                if stacked:
-                    a = routed.hidden(e, x)
-                else:
-                    gu = w[e][0]
-                    a = F.silu(F.linear(x, gu[:INTER])) * F.linear(x, gu[INTER:])
+                a = routed.hidden(e, x) if stacked else reference_hidden(routed, e, x)
                 s += a[0, 0].float()
         return s
 
@@ -103,7 +89,7 @@ def main() -> None:
     timed("routed output: forge", lambda: cal._routed_output(routed, xs, idx, wts, dev, None))
     ours = xs[:65536].float()
     xs.copy_(x0)
-    routed.compute = reference_compute.__get__(routed)
+    routed.output = reference_output.__get__(routed)
     timed("routed output: reference formulation", lambda: cal._routed_output(routed, xs, idx, wts, dev, None))
     rows["max relative difference (first 65536 tokens)"] = float(
         (ours - xs[:65536].float()).abs().max() / xs[:65536].float().abs().max()

@@ -151,8 +151,10 @@ def test_prepare_hessian_gpu_matches_cpu():
 
 def test_prepare_hessian_batched_streams_match_cpu(monkeypatch):
     """A batch spread over several CUDA streams (C = 2200 > 2048: one matrix per group; one
-    matrix indefinite, retried with more damping) gives the CPU's factors, and exactly the
-    same floats as one stream (same kernels, same inputs)."""
+    matrix indefinite, retried with more damping) gives the float64 reference's factors
+    (``U`` upper with ``UᵀU = (H + damp I)⁻¹``, damp = 1 % of the mean diagonal x 10^retries,
+    computed here), the CPU's, and exactly the same floats as one stream (same kernels, same
+    inputs)."""
     import forge.quant as q
 
     g = torch.Generator().manual_seed(6)
@@ -178,6 +180,14 @@ def test_prepare_hessian_batched_streams_match_cpu(monkeypatch):
         err = torch.linalg.norm(u4[i].cpu().double() - u_cpu[i].double()) / torch.linalg.norm(
             u_cpu[i].double()
         )
+        assert err < 1e-3, (i, float(err))
+        hd = hs[i].double()
+        damp = 0.01 * float(hd.diagonal().mean()) * 10 ** retries4[i]
+        assert damp4[i] == pytest.approx(damp, rel=1e-5)
+        u_ref = torch.linalg.cholesky(
+            torch.linalg.inv(hd + damp * torch.eye(c, dtype=torch.float64)), upper=True
+        )
+        err = torch.linalg.norm(u4[i].cpu().double() - u_ref) / torch.linalg.norm(u_ref)
         assert err < 1e-3, (i, float(err))
 
 

@@ -216,21 +216,27 @@ def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> floa
     return _relative(_error_sums(w, [w_hat], h).tolist())[0]
 
 
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in float32: on CUDA one GEMM with fp32 output (no rounding to ``a``'s dtype and
+    no widening pass), on the CPU the float32 product of the same values."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 def gram(x: torch.Tensor) -> torch.Tensor:
     """``XᵀX (D, D)`` in float32 of ``x (T, D)``.
 
     bf16 CUDA inputs run on tensor cores with fp32 accumulation (bf16 products are exact in
     fp32, so this is the fp32 product of the same values); with many rows only the blocks on
     and above the diagonal are multiplied (``nb (nb + 1) / 2`` of ``nb²`` column blocks, 10
-    of 16 for ``nb = 4``) and mirrored. Other inputs: one fp32 ``mm``.
+    of 16 for ``nb = 4``) and mirrored. Other inputs: one product with fp32 output
+    (:func:`_mm_f32`).
     """
     t, d = x.shape
-    if not (x.is_cuda and x.dtype == torch.bfloat16):
-        xf = x.float()
-        return xf.t() @ xf
-    nb = min(4, d // 1024) if t >= 2048 else 1
+    nb = min(4, d // 1024) if x.is_cuda and x.dtype == torch.bfloat16 and t >= 2048 else 1
     if nb <= 1:
-        return torch.mm(x.t(), x, out_dtype=torch.float32)
+        return _mm_f32(x.t(), x)
     edges = [round(d * i / nb / 64) * 64 for i in range(nb)] + [d]
     h = torch.empty(d, d, dtype=torch.float32, device=x.device)
     for i in range(nb):
@@ -238,7 +244,7 @@ def gram(x: torch.Tensor) -> torch.Tensor:
         xa = x[:, a0:a1]
         for j in range(i, nb):
             b0, b1 = edges[j], edges[j + 1]
-            blk = torch.mm(xa.t(), x[:, b0:b1], out_dtype=torch.float32)
+            blk = _mm_f32(xa.t(), x[:, b0:b1])
             h[a0:a1, b0:b1] = blk
             if j != i:
                 h[b0:b1, a0:a1] = blk.t()
@@ -717,14 +723,6 @@ def _fp8_dequant(sess, name: str, t: torch.Tensor, device, dtype, block: int) ->
 # The routed experts during calibration
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in float32: on CUDA one GEMM with fp32 output (no rounding to ``a``'s dtype and
-    no widening pass), on the CPU the float32 product of the same values."""
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
 class _RoutedExperts(torch.nn.Module):
     """Replaces a transformers experts module (``forward(x, top_k_index, top_k_weights)``).
 
@@ -778,6 +776,10 @@ class _RoutedExperts(torch.nn.Module):
         i = h.shape[-1] // 2
         return self.act(h[..., :i]).mul_(h[..., i:])
 
+    def output(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s output for its tokens ``x``, in float32."""
+        return _mm_f32(self.hidden(e, x), self.w[e][1].t())
+
     def compute(self, x, idx, wts) -> torch.Tensor:
         """The routed output of tokens ``x (T, D)``: expert by expert, router weight times
         expert output summed in fp32; REAP sums into ``stats`` (one host sync per call)."""
@@ -795,7 +797,7 @@ class _RoutedExperts(torch.nn.Module):
             start += c
             tok = sel // k
             wt = wts.reshape(-1)[sel].float()
-            y = _mm_f32(self.hidden(e, x.index_select(0, tok)), self.w[e][1].t())
+            y = self.output(e, x.index_select(0, tok))
             if self.stats is not None:
                 reap[e] = (wt * y.norm(dim=-1)).double().sum()
             # an expert sees a token once: distinct rows, so the adds are deterministic
@@ -949,7 +951,7 @@ def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
                     f"layer {li}: expert {e}: {fam.gate} {tuple(g.shape)}, {fam.up} {tuple(u.shape)} "
                     f"and {fam.down} {tuple(d.shape)} do not form an (I, D), (I, D), (D, I) MLP"
                 )
-            weights[e] = [torch.cat(ws[:2]), ws[2]]
+            weights[e] = [torch.cat([g, u]), d]
         routed = _RoutedExperts(weights, n_exp, act)
         routed.ckpt_prefix = f"{pre}{ck}.experts."  # type: ignore[attr-defined]
     layer.to_empty(device=ctx.device)

@@ -14,6 +14,7 @@ the GIL. Shapes follow one convention everywhere:
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -200,44 +201,25 @@ PREPARE_STREAMS = 4
 """CUDA streams over which :func:`prepare_hessian_batched` spreads its factorisations."""
 
 
-def _side_streams(device: torch.device, n: int) -> list:
-    """``n`` streams of ``device`` for independent work (none on the CPU or for ``n <= 1``)."""
+@contextlib.contextmanager
+def _round_robin(device: torch.device, n: int):
+    """``with _round_robin(device, n) as on: ... with on(i): work`` runs work ``i`` on CUDA
+    stream ``i % n`` (on the current stream on the CPU or for ``n <= 1``). The streams first
+    wait for the current one, and the current one waits for all of them on exit, so tensors
+    made before and used after are ordered as in one stream; tensors made inside and used
+    after must stay referenced until the exit (their memory belongs to the side stream)."""
     if device.type != "cuda" or n <= 1:
-        return []
-    return [torch.cuda.Stream(device) for _ in range(n)]
-
-
-class _fanned:  # noqa: N801 (a context manager used like a function)
-    """``with _fanned(streams) as fan: ... with fan(i): work`` runs work ``i`` on
-    ``streams[i % len(streams)]`` (on the current stream when there are none). The side
-    streams first wait for the current one, and the current one waits for all of them on
-    exit, so tensors made before and used after are ordered as in one stream. Tensors
-    allocated inside a side stream's block and used after must be ``record_stream``-ed or
-    kept alive until the join (here: the caller's lists)."""
-
-    def __init__(self, streams: list):
-        self.streams = streams
-
-    def __enter__(self):
-        if self.streams:
-            here = torch.cuda.current_stream(self.streams[0].device)
-            for s in self.streams:
-                s.wait_stream(here)
-        return self
-
-    def __call__(self, i: int):
-        import contextlib
-
-        if not self.streams:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self.streams[i % len(self.streams)])
-
-    def __exit__(self, *exc):
-        if self.streams:
-            here = torch.cuda.current_stream(self.streams[0].device)
-            for s in self.streams:
-                here.wait_stream(s)
-        return False
+        yield lambda i: contextlib.nullcontext()
+        return
+    here = torch.cuda.current_stream(device)
+    streams = [torch.cuda.Stream(device) for _ in range(n)]
+    for s in streams:
+        s.wait_stream(here)
+    try:
+        yield lambda i: torch.cuda.stream(streams[i % n])
+    finally:
+        for s in streams:
+            here.wait_stream(s)
 
 
 def _factor_group(hessian, ids: list[int], ids_t: torch.Tensor, perm, fixed, damp, out) -> torch.Tensor:
@@ -313,13 +295,12 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
     sub = 1 if c > 2048 else max(1, e // 8)
     retries = [0] * e
     todo = list(range(e))
-    streams = _side_streams(hessian.device, PREPARE_STREAMS)
     for attempt in range(MAX_DAMP_RETRIES + 1):
         oks = []
         todo_t = torch.tensor(todo, device=hessian.device)  # one copy; slices of it need none
-        with _fanned(streams) as fan:
+        with _round_robin(hessian.device, PREPARE_STREAMS) as on:
             for j in range(0, len(todo), sub):
-                with fan(j // sub):
+                with on(j // sub):
                     ids = todo[j : j + sub]
                     oks.append(_factor_group(hessian, ids, todo_t[j : j + sub], perm, fixed, damp, out))
         ok = torch.cat(oks).tolist()
