@@ -185,8 +185,18 @@ def main() -> int:
         help="after the timed runs, profile one more run of the smallest token count and write "
         "torch.profiler's tables (operators by CUDA time and by their own CPU time) to this file",
     )
+    ap.add_argument(
+        "--per-expert",
+        action="store_true",
+        help="the routed output expert by expert even where grouped GEMMs run (the formulation "
+        "they replaced, for a same-machine comparison)",
+    )
     args = ap.parse_args()
     import forge
+    import forge.calibrate as cal
+
+    if args.per_expert:
+        cal._RoutedExperts.grouped = lambda self, device, dtype: False
 
     if not torch.cuda.is_available():
         print("no GPU: this bench needs CUDA")
@@ -226,7 +236,8 @@ def main() -> int:
         report = json.loads((out / "forge" / "report.json").read_text())
         phases = report["phase_seconds"]
         peak = torch.cuda.max_memory_allocated() / 2**30
-        row = {"row": "gptq layer", "tokens": nsamples * seqlen, "wall_s": wall,
+        row = {"row": "gptq layer", "device": torch.cuda.get_device_name(),
+               "routed output": "per expert" if args.per_expert else "forge", "tokens": nsamples * seqlen, "wall_s": wall,
                "layer_s": report["layer_seconds"].get("0"), "phases": phases, "peak_gpu_gib": peak,
                "quantized": rep.quantized}  # fmt: skip
         write_row(args.json, row)

@@ -729,12 +729,15 @@ class _RoutedExperts(torch.nn.Module):
     ``collect``: records inputs, ids and weights of every token and returns zeros.
     ``replay``: returns the routed output computed expert-major after quantization.
     ``run``: computes the routed output directly (per chunk; used when not sequential).
+
+    The experts' weights are stacked, ``gate_up (E, 2I, D)`` (gate rows, then up rows) and
+    ``down (E, D, I)``: one expert is a view, and a grouped GEMM reads all of them.
     """
 
-    def __init__(self, weights: dict[int, list[torch.Tensor]], n_experts: int, act):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act):
         super().__init__()
-        self.w = weights  # expert id -> [gate and up stacked (2I, D), down (D, I)]
-        self.n_experts, self.act = n_experts, act
+        self.gate_up, self.down = gate_up, down
+        self.n_experts, self.act = gate_up.shape[0], act
         self.mode = "run"
         self.collected: _Collected | None = None
         self.replay_rows: torch.Tensor | None = None
@@ -770,19 +773,52 @@ class _RoutedExperts(torch.nn.Module):
         ids = torch.where(m[idx.long()] >= 0, ids.to(idx.dtype), self.n_experts)
         return ids, w.to(wts.dtype)
 
+    def keep(self, ids: list[int]) -> None:
+        """Keeps experts ``ids`` (compact expert ``c`` is ``ids[c]``). Ascending ids are moved
+        down in place (no second copy of the weights at any time); other orders are gathered."""
+        if all(a < b for a, b in zip(ids, ids[1:], strict=False)):
+            for c, e in enumerate(ids):
+                if c != e:
+                    self.gate_up[c].copy_(self.gate_up[e])
+                    self.down[c].copy_(self.down[e])
+            self.gate_up, self.down = self.gate_up[: len(ids)], self.down[: len(ids)]
+        else:
+            ix = torch.tensor(ids, device=self.gate_up.device)
+            self.gate_up, self.down = self.gate_up.index_select(0, ix), self.down.index_select(0, ix)
+        self.n_experts = len(ids)
+
     def hidden(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s down-projection input ``act(x Gᵀ) * (x Uᵀ)``: gate and up in one GEMM."""
-        h = F.linear(x, self.w[e][0])
+        h = F.linear(x, self.gate_up[e])
         i = h.shape[-1] // 2
         return self.act(h[..., :i]).mul_(h[..., i:])
 
     def output(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s output for its tokens ``x``, in float32."""
-        return _mm_f32(self.hidden(e, x), self.w[e][1].t())
+        return _mm_f32(self.hidden(e, x), self.down[e].t())
+
+    def grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a routed output on ``device`` in ``dtype`` runs as grouped GEMMs
+        (``torch._grouped_mm``: bf16 on Hopper or newer, rows 16-byte aligned) rather than
+        expert by expert."""
+        return (
+            hasattr(torch, "_grouped_mm")
+            and device.type == "cuda"
+            and dtype == self.gate_up.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (9, 0)
+            and self.gate_up.shape[-1] % 8 == 0
+            and self.down.shape[-1] % 8 == 0
+        )
 
     def compute(self, x, idx, wts) -> torch.Tensor:
-        """The routed output of tokens ``x (T, D)``: expert by expert, router weight times
-        expert output summed in fp32; REAP sums into ``stats`` (one host sync per call)."""
+        """The routed output of tokens ``x (T, D)`` (router weight times expert output, summed
+        over the token's experts), in ``x``'s dtype; REAP sums into ``stats`` (one host sync)."""
+        if self.grouped(x.device, x.dtype):
+            return self._compute_grouped(x, idx, wts)
+        return self._compute_per_expert(x, idx, wts)
+
+    def _compute_per_expert(self, x, idx, wts) -> torch.Tensor:
+        """Expert by expert: each expert's fp32 output times the router weight, summed in fp32."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -805,6 +841,34 @@ class _RoutedExperts(torch.nn.Module):
         if self.stats is not None:
             self.stats.reap += reap.cpu()
         return out.to(x.dtype)
+
+    def _compute_grouped(self, x, idx, wts) -> torch.Tensor:
+        """All experts in two grouped GEMMs over the (token, expert) pairs sorted by expert, no
+        host sync: ``a = act(x Gᵀ) * (x Uᵀ) * w`` (the router weight folded into the bf16
+        down-projection input), ``y = a Dᵀ`` in bf16, and each token's ``k`` rows of ``y``
+        summed with fp32 accumulation by one ``embedding_bag``. A remap layout's pruned picks
+        (weight 0) run through expert 0 and give exact zeros. Router weights are nonnegative
+        (softmax / sigmoid scores), so REAP's ``w · ‖y‖`` is the norm of the weighted row."""
+        t, k = idx.shape
+        n = self.n_experts
+        flat = idx.reshape(-1).long()
+        if self.remap is not None:
+            flat = torch.where(flat < n, flat, 0)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.bincount(flat, minlength=n)[:n].cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(x.index_select(0, order // k), self.gate_up.transpose(1, 2), offs=offs)
+        i = h.shape[1] // 2
+        a = self.act(h[:, :i]).mul_(h[:, i:]).mul_(wts.reshape(-1).float()[order, None])
+        del h
+        y = torch._grouped_mm(a, self.down.transpose(1, 2), offs=offs)
+        del a
+        if self.stats is not None:
+            reap = torch.zeros(n, dtype=torch.float64, device=x.device)
+            reap.index_add_(0, flat[order], torch.linalg.vector_norm(y, dim=-1, dtype=torch.float32).double())
+            self.stats.reap += reap.cpu()
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.numel(), device=order.device)
+        return F.embedding_bag(pos.view(t, k), y, mode="sum").to(x.dtype)
 
 
 class _Collected:
@@ -937,7 +1001,7 @@ def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
         act = block.experts.act_fn
         # Swap the fused experts out before anything is allocated: forge keeps them per expert.
         block.experts = torch.nn.Identity()
-        weights: dict[int, list[torch.Tensor]] = {}
+        gate_up = down = None
         for e in range(n_exp):
             ws = []
             for leaf in (fam.gate, fam.up, fam.down):
@@ -951,8 +1015,18 @@ def _build_layer(ctx: _Ctx, meta_layers, unit: dict):
                     f"layer {li}: expert {e}: {fam.gate} {tuple(g.shape)}, {fam.up} {tuple(u.shape)} "
                     f"and {fam.down} {tuple(d.shape)} do not form an (I, D), (I, D), (D, I) MLP"
                 )
-            weights[e] = [torch.cat([g, u]), d]
-        routed = _RoutedExperts(weights, n_exp, act)
+            if gate_up is None:
+                gate_up = torch.empty((n_exp, 2 * g.shape[0], g.shape[1]), dtype=g.dtype, device=g.device)
+                down = torch.empty((n_exp, *d.shape), dtype=d.dtype, device=d.device)
+            elif tuple(d.shape) != tuple(down.shape[1:]):
+                raise ShapeError(
+                    f"layer {li}: expert {e}: {fam.down} {tuple(d.shape)}, expert 0's "
+                    f"{tuple(down.shape[1:])}: the routed experts of a layer must have one shape"
+                )
+            gate_up[e, : g.shape[0]].copy_(g)
+            gate_up[e, g.shape[0] :].copy_(u)
+            down[e].copy_(d)
+        routed = _RoutedExperts(gate_up, down, act)
         routed.ckpt_prefix = f"{pre}{ck}.experts."  # type: ignore[attr-defined]
     layer.to_empty(device=ctx.device)
     if routed is not None:
@@ -1667,8 +1741,7 @@ def _apply_pruning(ctx: _Ctx, layer, routed, moe_attr: str, keep: list[int]) -> 
         m = torch.full((n,), -1, dtype=torch.long)
         m[torch.tensor(keep)] = torch.arange(len(keep))
         routed.remap = m.to(ctx.device)  # on the compute device once, not per forward
-    routed.w = {c: routed.w[e] for c, e in enumerate(keep)}
-    routed.n_experts = len(keep)
+    routed.keep(list(keep))
 
 
 def _expert_chunk(device: torch.device, d: int, inter: int) -> int:
@@ -1687,10 +1760,14 @@ GATHER_ROWS = 65536
 not depend on free memory)."""
 
 OUTPUT_WINDOW = 131072
-"""Tokens whose routed output is accumulated at a time (fp32, ``OUTPUT_WINDOW x hidden``: 3.8 GB
-for DeepSeek-V3) after the experts are solved; fixed for the same reason. Larger windows give
-the experts' GEMMs more rows: 2M tokens x top-8 over 256 experts on an H200 took 3.94 s with
-65536 and 3.69 s with 131072 (262144: 3.64 s, for twice the memory)."""
+"""Tokens whose routed output is accumulated at a time expert by expert (fp32, ``OUTPUT_WINDOW x
+hidden``: 3.8 GB for DeepSeek-V3) after the experts are solved; fixed for the same reason.
+Larger windows give the experts' GEMMs more rows: 2M tokens x top-8 over 256 experts on an H200
+took 3.94 s with 65536 and 3.69 s with 131072 (262144: 3.64 s, for twice the memory)."""
+
+GROUPED_WINDOW = 32768
+"""Tokens whose routed output is computed at a time by grouped GEMMs (their pairs' gathered
+inputs, hidden activations and outputs, bf16: ~11 GB for DeepSeek-V3 at top-8)."""
 
 
 def _solve_group(items: list[dict], key: str, opts: dict) -> None:
@@ -1740,7 +1817,7 @@ def _solve_experts(
         starts.append(starts[-1] + c)
     thr = opts["few_tokens_threshold"]
     thr = max(1, d // 8 if thr is None else thr)
-    inter = routed.w[0][0].shape[0] // 2
+    inter = routed.gate_up.shape[1] // 2
     planned = {lin["module"] for lin in u["linears"]}
     pooled: dict[str, torch.Tensor] = {}
 
@@ -1773,7 +1850,7 @@ def _solve_experts(
                 sel = order[starts[e] : starts[e + 1]]
                 it = {"e": e, "sel": sel, "n": int(sel.numel())}
                 it["fallback"] = opts["few_tokens"] if it["n"] < thr else None
-                it["gu_w"] = routed.w[e][0]
+                it["gu_w"] = routed.gate_up[e]
                 if it["fallback"] == "pooled":
                     it["gu_h"] = pooled_gu()
                 elif it["fallback"] == "rtn":
@@ -1787,10 +1864,9 @@ def _solve_experts(
             _solve_group(items, "gu", opts)
             for it in items:
                 e = it["e"]
-                gu = routed.w[e][0]
-                routed.w[e][0] = it["gu"].deq.to(gu.device, gu.dtype)
-                it.pop("gu_h")
-                it["d_w"] = routed.w[e][1]
+                routed.gate_up[e].copy_(it["gu"].deq)  # it["gu_w"] was this view: done with
+                del it["gu_h"], it["gu_w"]
+                it["d_w"] = routed.down[e]
                 if it["fallback"] == "pooled":
                     it["d_h"] = hess([routed.hidden(e, ref())], inter)
                 elif it["fallback"] == "rtn":
@@ -1803,8 +1879,8 @@ def _solve_experts(
             _solve_group(items, "d", opts)
             for it in items:
                 e, s_gu, s_d = it["e"], it["gu"], it["d"]
-                dn = routed.w[e][1]
-                routed.w[e][1] = s_d.deq.to(dn.device, dn.dtype)
+                routed.down[e].copy_(s_d.deq)
+                del it["d_w"]
                 base = f"{routed.ckpt_prefix}{e}."
                 for leaf, codes, qmeta in (
                     (fam.gate, s_gu.codes[:, :inter], s_gu.qmeta[:inter]),
@@ -1836,13 +1912,14 @@ def _routed_output(
     stats: _Stats | None,
 ) -> None:
     """The quantized experts' routed output over every collected token ``xs`` (routed to
-    ``idx`` with weights ``wts``), ``OUTPUT_WINDOW`` tokens at a time on ``dev``
-    (:meth:`_RoutedExperts.compute` on the window), written over the window's inputs; REAP
+    ``idx`` with weights ``wts``), ``GROUPED_WINDOW`` or ``OUTPUT_WINDOW`` tokens at a time on
+    ``dev`` (:meth:`_RoutedExperts.compute` on the window), written over the window's inputs; REAP
     sums into ``stats``."""
     routed.stats = stats
+    window = GROUPED_WINDOW if routed.grouped(dev, xs.dtype) else OUTPUT_WINDOW
     try:
-        for w0 in range(0, xs.shape[0], OUTPUT_WINDOW):
-            w = slice(w0, w0 + OUTPUT_WINDOW)
+        for w0 in range(0, xs.shape[0], window):
+            w = slice(w0, w0 + window)
             xs[w].copy_(routed.compute(xs[w].to(dev, non_blocking=True), idx[w], wts[w]))
     finally:
         routed.stats = None
