@@ -153,15 +153,29 @@ fn awq_unpack_rows(p: &[i32], rows: usize, n: usize) -> Vec<u8> {
     out
 }
 
+/// Refuses codes above `maxq`, naming the first. Chunks are scanned with a branch-free
+/// maximum (vectorised) and only a failing chunk is searched: a per-element
+/// `par_iter().position_first` ran at ~110 M codes/s on 2 cores (130 ms per DeepSeek-V3
+/// expert projection, 100 CPU-seconds per MoE layer, which the GPU run waited for).
 fn check_codes(codes: &[u8], maxq: u32) -> Result<()> {
-    if let Some(i) = codes.par_iter().position_first(|&q| q as u32 > maxq) {
-        return Err(Error::param(
-            "codes",
-            format!("must be <= {maxq}; index {i} is not"),
-            codes[i],
-        ));
-    }
-    Ok(())
+    const CHUNK: usize = 1 << 16;
+    let Some(bad) = codes
+        .par_chunks(CHUNK)
+        .position_first(|c| c.iter().fold(0u8, |m, &q| m.max(q)) as u32 > maxq)
+    else {
+        return Ok(());
+    };
+    let start = bad * CHUNK;
+    let i = start
+        + codes[start..]
+            .iter()
+            .position(|&q| q as u32 > maxq)
+            .unwrap_or(0);
+    Err(Error::param(
+        "codes",
+        format!("must be <= {maxq}; index {i} is not"),
+        codes[i],
+    ))
 }
 
 /// Packs GPTQ/RTN codes (`K × N`) with their grid into the AWQ layout.
@@ -404,16 +418,27 @@ pub fn compressed_from_parts(
     }
     let kp = k / 8;
     let mut weight_packed = vec![0i32; n * kp];
+    // Blocks of ROWS output rows: each code row is read as one contiguous run of ROWS bytes
+    // (reading one byte per code row for one output row at a time missed the cache: 30 ms
+    // against 4 for AWQ on a DeepSeek-V3 expert projection).
+    const ROWS: usize = 64;
     weight_packed
-        .par_chunks_mut(kp)
+        .par_chunks_mut(kp * ROWS)
         .enumerate()
-        .for_each(|(row, out)| {
-            for (c, o) in out.iter_mut().enumerate() {
-                let mut w = 0u32;
+        .for_each(|(b, out)| {
+            let (r0, rows) = (b * ROWS, out.len() / kp);
+            let mut w = [0u32; ROWS];
+            for c in 0..kp {
+                w.fill(0);
                 for i in 0..8 {
-                    w |= (codes[(8 * c + i) * n + row] as u32 & 0xF) << (4 * i);
+                    let at = (8 * c + i) * n + r0;
+                    for (wr, &q) in w.iter_mut().zip(&codes[at..at + rows]) {
+                        *wr |= (q as u32 & 0xF) << (4 * i);
+                    }
                 }
-                *o = w as i32;
+                for (r, &wr) in w[..rows].iter().enumerate() {
+                    out[r * kp + c] = wr as i32;
+                }
             }
         });
     let mut weight_scale = vec![f16::ZERO; n * ng];
@@ -546,6 +571,30 @@ mod tests {
         }
     }
 
+    #[test]
+    fn codes_above_maxq_are_refused_naming_the_first() {
+        let n = (1 << 16) * 3 + 40; // three whole scan chunks and a partial one
+        let mut codes: Vec<u8> = (0..n).map(|i| (i % 16) as u8).collect();
+        assert!(check_codes(&codes, 15).is_ok());
+        for first in [5, (1 << 16) - 1, (1 << 16) * 2 + 7, n - 1] {
+            let mut c = codes.clone();
+            c[first] = 16;
+            if first + 3 < n {
+                c[first + 3] = 200; // a later bad code is not the one named
+            }
+            let msg = check_codes(&c, 15).unwrap_err().to_string();
+            assert!(msg.contains(&format!("index {first} is not")), "{msg}");
+        }
+        // 2-bit codes: maxq 3
+        codes.iter_mut().for_each(|q| *q &= 3);
+        assert!(check_codes(&codes, 3).is_ok());
+        codes[70_000] = 4;
+        assert!(check_codes(&codes, 3)
+            .unwrap_err()
+            .to_string()
+            .contains("index 70000 is not"));
+    }
+
     fn sample(k: usize, n: usize, g: usize, sym: bool) -> (Vec<u8>, Vec<u8>, Vec<f16>) {
         let codes: Vec<u8> = (0..k * n).map(|i| ((i * 7 + i / 13) % 16) as u8).collect();
         let zeros: Vec<u8> = (0..k / g * n)
@@ -579,6 +628,22 @@ mod tests {
         // symmetric needs zero point 8 everywhere
         let (codes, zeros, scales) = sample(k, n, g, false);
         assert!(compressed_from_parts(&codes, &zeros, &scales, k, n, g, true).is_err());
+    }
+
+    #[test]
+    fn compressed_packing_in_row_blocks_follows_the_layout() {
+        // 136 output rows: two 64-row blocks and a partial one
+        let (k, n, g) = (96, 136, 32);
+        let (codes, zeros, scales) = sample(k, n, g, false);
+        let t = compressed_from_parts(&codes, &zeros, &scales, k, n, g, false).unwrap();
+        for row in 0..n {
+            for c in 0..k / 8 {
+                let w = t.weight_packed[row * (k / 8) + c] as u32;
+                for i in 0..8 {
+                    assert_eq!(((w >> (4 * i)) & 0xF) as u8, codes[(8 * c + i) * n + row]);
+                }
+            }
+        }
     }
 
     #[test]
