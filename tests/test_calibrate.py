@@ -662,19 +662,38 @@ def test_routed_experts_stacked_views_and_keep():
         )
 
 
-@pytest.mark.cuda
+def _grouped_mm_on_cpu() -> bool:
+    try:
+        a, b = torch.ones(32, 16, dtype=torch.bfloat16), torch.ones(2, 16, 16, dtype=torch.bfloat16)
+        return bool(
+            (
+                torch._grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([16, 32], dtype=torch.int32)) == 16
+            ).all()
+        )
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
 @pytest.mark.parametrize("remap", [False, True])
-def test_grouped_routed_output_matches_the_formula(remap):
-    """On Hopper the routed output runs as two grouped GEMMs plus an ``embedding_bag``: it
-    agrees with the float64 formula to bf16 rounding, with the per-expert loop it replaced, and
-    gives the same REAP sums; a remap layout's pruned picks (weight 0) contribute nothing."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_grouped_routed_output_matches_the_formula(device, remap):
+    """The grouped routed output (two grouped GEMMs over the pairs sorted by expert plus an
+    ``embedding_bag``; what runs on Hopper GPUs) agrees with the float64 formula to bf16
+    rounding, with the per-expert loop it replaced, and gives the same REAP sums; a remap
+    layout's pruned picks (weight 0) contribute nothing. On the CPU it runs where this torch's
+    ``torch._grouped_mm`` does (the run itself uses it only on CUDA)."""
     e_, d, i, t, k = 16, 256, 128, 3000, 4
-    dev = torch.device("cuda")
+    dev = torch.device(device)
+    if device == "cpu" and not _grouped_mm_on_cpu():
+        pytest.skip("this torch has no torch._grouped_mm on the CPU")
     gate_up = (torch.randn(e_, 2 * i, d, device=dev) * d**-0.5).bfloat16()
     down = (torch.randn(e_, d, i, device=dev) * i**-0.5).bfloat16()
     routed = calibrate._RoutedExperts(gate_up, down, torch.nn.functional.silu)
-    if not routed.grouped(dev, torch.bfloat16):
-        pytest.skip("grouped GEMMs need torch._grouped_mm on a Hopper (sm90+) GPU")
+    if device == "cuda":
+        if not routed.grouped(dev, torch.bfloat16):
+            pytest.skip("grouped GEMMs need torch._grouped_mm on a Hopper (sm90+) GPU")
+    else:
+        assert not routed.grouped(dev, torch.bfloat16)  # the run keeps the loop on the CPU
     x = torch.randn(t, d, device=dev).bfloat16()
     skew = torch.arange(1, e_ + 1, dtype=torch.float32, device=dev) ** -0.8
     idx = torch.multinomial(skew.expand(t, -1), k)  # distinct experts per token, skewed counts

@@ -723,6 +723,28 @@ def _fp8_dequant(sess, name: str, t: torch.Tensor, device, dtype, block: int) ->
 # The routed experts during calibration
 
 
+_GROUPED_MM: dict[int, bool] = {}
+
+
+def _grouped_mm_runs(device: torch.device) -> bool:
+    """Whether this torch's ``torch._grouped_mm`` (2D inputs x 3D weights with offsets, bf16)
+    runs on CUDA ``device``: Hopper or newer, tried once per device on a tiny problem, since
+    which GPUs a torch release supports varies (older GPUs and older torch: experts one by one)."""
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _GROUPED_MM:
+        ok = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(i) >= (9, 0)
+        if ok:
+            a = torch.ones(32, 16, dtype=torch.bfloat16, device=i)
+            b = torch.ones(2, 16, 16, dtype=torch.bfloat16, device=i)
+            offs = torch.tensor([16, 32], dtype=torch.int32, device=i)
+            try:
+                ok = bool((torch._grouped_mm(a, b.transpose(1, 2), offs=offs) == 16).all())
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM[i] = ok
+    return _GROUPED_MM[i]
+
+
 class _RoutedExperts(torch.nn.Module):
     """Replaces a transformers experts module (``forward(x, top_k_index, top_k_weights)``).
 
@@ -802,12 +824,11 @@ class _RoutedExperts(torch.nn.Module):
         (``torch._grouped_mm``: bf16 on Hopper or newer, rows 16-byte aligned) rather than
         expert by expert."""
         return (
-            hasattr(torch, "_grouped_mm")
-            and device.type == "cuda"
+            device.type == "cuda"
             and dtype == self.gate_up.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device) >= (9, 0)
             and self.gate_up.shape[-1] % 8 == 0
             and self.down.shape[-1] % 8 == 0
+            and _grouped_mm_runs(device)
         )
 
     def compute(self, x, idx, wts) -> torch.Tensor:
@@ -851,6 +872,8 @@ class _RoutedExperts(torch.nn.Module):
         (softmax / sigmoid scores), so REAP's ``w · ‖y‖`` is the norm of the weighted row."""
         t, k = idx.shape
         n = self.n_experts
+        if idx.numel() == 0:
+            return torch.zeros_like(x)
         flat = idx.reshape(-1).long()
         if self.remap is not None:
             flat = torch.where(flat < n, flat, 0)
