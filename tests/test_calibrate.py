@@ -629,6 +629,28 @@ def test_expert_with_mismatched_shapes_is_refused(src, ids_file, tmp_path):
     assert not (tmp_path / "o" / "config.json").exists()
 
 
+def test_experts_of_unequal_shapes_are_refused(src, ids_file, tmp_path):
+    """The routed experts of a layer are stacked: an expert whose MLP is whole (and packable)
+    but twice as wide as expert 0's is refused naming both shapes, before anything is written."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    pre = "model.layers.1.mlp.experts.3."
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            t = load_file(f)
+            for leaf in ("gate_proj", "up_proj"):
+                if f"{pre}{leaf}.weight" in t:
+                    t[f"{pre}{leaf}.weight"] = t[f"{pre}{leaf}.weight"].repeat(2, 1)
+            if f"{pre}down_proj.weight" in t:
+                t[f"{pre}down_proj.weight"] = t[f"{pre}down_proj.weight"].repeat(1, 2)
+            save_file(t, bad / f.name, metadata={"format": "pt"})
+        else:
+            (bad / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(errors.ShapeError, match=r"layer 1: expert 3: down_proj .* must have one shape"):
+        forge.quantize_model(bad, tmp_path / "o", **_opts(ids_file))
+    assert not (tmp_path / "o" / "config.json").exists()
+
+
 def _routed_reference(gate_up, down, act, x, idx, wts, keep=None):
     """The routed output token by token in float64 (plain PyTorch): ``Σ_j w_j · D_e act(G_e x) ⊙
     (U_e x)`` over the token's experts ``e = idx[t, j]``; ``keep`` maps compact ids to stacked ones."""
