@@ -98,31 +98,34 @@ def torch_pack_awq(codes: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def bench_shape(n: int, k: int, g: int, skip_gptq: bool, add) -> None:
+def bench_shape(n: int, k: int, g: int, only: set[str], add) -> None:
     w = torch.randn(n, k, dtype=torch.bfloat16)
-    add(
-        "range grid",
-        (n, k),
-        timeit(lambda: torch_range_grid(w, g), 3),
-        timeit(lambda: forge.build_quant_grid(w, g, 4, False, "range"), 3),
-    )
-    add(
-        "mse grid",
-        (n, k),
-        timeit(lambda: torch_mse_grid(w, g)),
-        timeit(lambda: forge.build_quant_grid(w, g, 4, False, "mse")),
-        "100 candidates, p=2.4",
-    )
+    if "range" in only:
+        add(
+            "range grid",
+            (n, k),
+            timeit(lambda: torch_range_grid(w, g), 3),
+            timeit(lambda: forge.build_quant_grid(w, g, 4, False, "range"), 3),
+        )
+    if "mse" in only:
+        add(
+            "mse grid",
+            (n, k),
+            timeit(lambda: torch_mse_grid(w, g)),
+            timeit(lambda: forge.build_quant_grid(w, g, 4, False, "mse")),
+            "100 candidates, p=2.4",
+        )
     qmeta, _, _ = forge.build_quant_grid(w, g, 4, False, "range")
     codes = forge.quantize_rtn(w, qmeta, 4, g)
-    add(
-        "awq pack",
-        (n, k),
-        timeit(lambda: torch_pack_awq(codes), 3),
-        timeit(lambda: forge.pack_awq(codes, qmeta, g), 3),
-        "codes -> qweight/qzeros/scales",
-    )
-    if skip_gptq:
+    if "pack" in only:
+        add(
+            "awq pack",
+            (n, k),
+            timeit(lambda: torch_pack_awq(codes), 3),
+            timeit(lambda: forge.pack_awq(codes, qmeta, g), 3),
+            "codes -> qweight/qzeros/scales",
+        )
+    if "gptq" not in only:
         return
     x = torch.randn(4 * k, k) @ (torch.eye(k) + 0.1 * torch.randn(k, k))
     h = (2 * x.T @ x / x.shape[0]).contiguous()
@@ -148,6 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4x smaller shapes")
     ap.add_argument("--skip-gptq", action="store_true")
+    ap.add_argument("--only", default="range,mse,pack,gptq", help="ops to run, comma-separated")
     ap.add_argument("--json", default=None, help="write the table here")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -176,7 +180,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; forge {forge.__version__}")
     for n, k in shapes:
-        bench_shape(n, k, g, args.skip_gptq, add)
+        bench_shape(n, k, g, set(args.only.split(",")) - ({"gptq"} if args.skip_gptq else set()), add)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
