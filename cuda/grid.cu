@@ -69,7 +69,10 @@ __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int 
 // Measured and dropped (H100, 7168x2048, 100 candidates, norm 2.4; this form 5.24-5.44 ms):
 // 4 or 8 candidates summed side by side with interleaved trees, 5.14 / 5.39 ms (noise); all
 // 32 candidates' partial sums per lane then one recursive-halving reduction (same floats,
-// 31 shuffles per 32 sums), 10.4 ms.
+// 31 shuffles per 32 sums), 10.4 ms. The loop is issue-bound on pow_p (a log2 polynomial with
+// an IEEE division, then an exp2 polynomial: ~75 instructions per element and candidate, ~3.3
+// ms at full issue for this shape), so a faster search needs a cheaper |e|^p shared bit for
+// bit with forge-core, not another loop shape.
 template <bool L2>
 __device__ __forceinline__ int mse_search(const float* buf, int G, int lane, const GroupParams& p0, u32 meta,
                                           int n_grid, float norm, float max_shrink) {
