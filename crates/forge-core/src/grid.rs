@@ -204,8 +204,9 @@ fn mse_row<T: Element>(
     }
 }
 
+/// Round-to-nearest codes of one row on its grid row (`meta_row`, one qmeta per group).
 #[multiversion(targets("x86_64+avx2+fma", "x86_64+sse4.1"))]
-fn rtn_row<T: Element>(row: &[T], meta_row: &[QMeta], spec: &GridSpec, out: &mut [u8]) {
+pub(crate) fn rtn_row<T: Element>(row: &[T], meta_row: &[QMeta], spec: &GridSpec, out: &mut [u8]) {
     let cols = row.len();
     for (g, m) in meta_row.iter().enumerate() {
         let p = m.params(spec.bits);

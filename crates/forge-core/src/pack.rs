@@ -6,7 +6,7 @@
 
 use crate::dtype::{check_finite, Element};
 use crate::error::{check_len, Error, Result};
-use crate::grid::GridSpec;
+use crate::grid::{rtn_row, GridSpec};
 use crate::qmeta::QMeta;
 use half::f16;
 use rayon::prelude::*;
@@ -212,28 +212,30 @@ pub fn quantize_pack_awq<T: Element>(
     check_len("qmeta", qmeta.len(), n, ng)?;
     let (zeros, scales) = scales_and_zeros(qmeta, k, n, spec)?;
     let mut qweight = vec![0i32; k * n / 8];
-    // One task per group of 8 output rows: a column of words.
+    // One task per group of 8 output rows: their codes row by row (vectorised, as
+    // quantize_rtn), then a column of words.
     let cols: Vec<Vec<i32>> = (0..n / 8)
         .into_par_iter()
         .map(|c| {
-            let mut col = vec![0i32; k];
-            let mut v = [0u8; 8];
-            let params: Vec<_> = (0..8)
-                .map(|j| {
-                    (0..ng)
-                        .map(|g| qmeta[(8 * c + j) * ng + g].params(spec.bits))
-                        .collect::<Vec<_>>()
-                })
-                .collect();
-            for (kk, out) in col.iter_mut().enumerate() {
-                let g = kk / spec.group_size;
-                for j in 0..8 {
-                    let p = &params[j][g];
-                    v[j] = p.code(w[(8 * c + j) * k + kk].to_f32()) as u8;
-                }
-                *out = awq_word(&v);
+            let mut codes = vec![0u8; 8 * k];
+            for (j, out) in codes.chunks_exact_mut(k).enumerate() {
+                let r = 8 * c + j;
+                rtn_row(
+                    &w[r * k..(r + 1) * k],
+                    &qmeta[r * ng..(r + 1) * ng],
+                    spec,
+                    out,
+                );
             }
-            col
+            let mut v = [0u8; 8];
+            (0..k)
+                .map(|kk| {
+                    for (j, vj) in v.iter_mut().enumerate() {
+                        *vj = codes[j * k + kk];
+                    }
+                    awq_word(&v)
+                })
+                .collect()
         })
         .collect();
     for (c, col) in cols.iter().enumerate() {
