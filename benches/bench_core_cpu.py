@@ -125,6 +125,21 @@ def bench_shape(n: int, k: int, g: int, only: set[str], add) -> None:
             timeit(lambda: forge.pack_awq(codes, qmeta, g), 3),
             "codes -> qweight/qzeros/scales",
         )
+    if "rtn-pack" in only:
+        scale, zero, _ = forge.decode_qmeta(qmeta)
+
+        def torch_rtn_pack():
+            x = w.float().reshape(n, k // g, g)
+            q = torch.clamp(torch.round(x / scale[..., None] + zero.float()[..., None]), 0, 15)
+            return torch_pack_awq(q.reshape(n, k).t().to(torch.uint8))
+
+        add(
+            "rtn+awq pack",
+            (n, k),
+            timeit(torch_rtn_pack, 3),
+            timeit(lambda: forge.quantize_pack_awq(w, qmeta, g), 3),
+            "fused quantize + pack (the data-free run's CPU path)",
+        )
     if "gptq" not in only:
         return
     x = torch.randn(4 * k, k) @ (torch.eye(k) + 0.1 * torch.randn(k, k))
@@ -151,7 +166,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4x smaller shapes")
     ap.add_argument("--skip-gptq", action="store_true")
-    ap.add_argument("--only", default="range,mse,pack,gptq", help="ops to run, comma-separated")
+    ap.add_argument("--only", default="range,mse,pack,rtn-pack,gptq", help="ops to run, comma-separated")
     ap.add_argument("--json", default=None, help="write the table here")
     args = ap.parse_args()
     torch.manual_seed(0)
