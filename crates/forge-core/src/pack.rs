@@ -597,6 +597,44 @@ mod tests {
             .contains("index 70000 is not"));
     }
 
+    /// The fused RTN + pack against the formula element by element: code =
+    /// clamp(rne(x · (1/scale) + zero), 0, 15) on the element's group, words in AWQ order.
+    fn fused_matches_formula<T: Element>(w: &[T], n: usize, k: usize, g: usize, sym: bool) {
+        let spec = GridSpec {
+            bits: 4,
+            group_size: g,
+            symmetric: sym,
+        };
+        let qm = crate::grid::build_range(w, n, k, &spec).unwrap();
+        let t = quantize_pack_awq(w, &qm, n, k, &spec).unwrap();
+        for kk in 0..k {
+            for c in 0..n / 8 {
+                let word = t.qweight[kk * (n / 8) + c] as u32;
+                for (i, &col) in AWQ_ORDER.iter().enumerate() {
+                    let r = 8 * c + col;
+                    let p = qm[r * (k / g) + kk / g].params(4);
+                    let x = w[r * k + kk].to_f32();
+                    let want = (x * p.inv_scale + p.zero)
+                        .round_ties_even()
+                        .clamp(0.0, 15.0) as u32;
+                    assert_eq!((word >> (4 * i)) & 0xF, want, "row {r}, input {kk}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_quantize_pack_follows_the_formula() {
+        let (n, k, g) = (24, 192, 64);
+        let vals = |i: usize| ((i * 7919 % 2003) as f32 - 1001.0) * 1e-3 * (1.0 + (i / k) as f32);
+        let w32: Vec<f32> = (0..n * k).map(vals).collect();
+        let w16: Vec<half::bf16> = w32.iter().map(|&x| half::bf16::from_f32(x)).collect();
+        for sym in [false, true] {
+            fused_matches_formula(&w32, n, k, g, sym);
+            fused_matches_formula(&w16, n, k, g, sym);
+        }
+    }
+
     fn sample(k: usize, n: usize, g: usize, sym: bool) -> (Vec<u8>, Vec<u8>, Vec<f16>) {
         let codes: Vec<u8> = (0..k * n).map(|i| ((i * 7 + i / 13) % 16) as u8).collect();
         let zeros: Vec<u8> = (0..k / g * n)
