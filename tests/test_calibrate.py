@@ -651,9 +651,10 @@ def test_experts_of_unequal_shapes_are_refused(src, ids_file, tmp_path):
     assert not (tmp_path / "o" / "config.json").exists()
 
 
-def _routed_reference(gate_up, down, act, x, idx, wts, keep=None):
+def _routed_reference(gate_up, down, act, x, idx, wts, keep=None, reap=None):
     """The routed output token by token in float64 (plain PyTorch): ``Σ_j w_j · D_e act(G_e x) ⊙
-    (U_e x)`` over the token's experts ``e = idx[t, j]``; ``keep`` maps compact ids to stacked ones."""
+    (U_e x)`` over the token's experts ``e = idx[t, j]``; ``keep`` maps compact ids to stacked ones.
+    ``reap`` (float64, one per expert), when given, gets REAP's ``Σ w_j ‖y_e‖`` per expert."""
     i = down.shape[-1]
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
@@ -661,7 +662,10 @@ def _routed_reference(gate_up, down, act, x, idx, wts, keep=None):
             e = int(idx[t, j])
             e = keep[e] if keep is not None else e
             h = gate_up[e].double() @ x[t].double()
-            out[t] += float(wts[t, j]) * (down[e].double() @ (act(h[:i]) * h[i:]))
+            y = down[e].double() @ (act(h[:i]) * h[i:])
+            out[t] += float(wts[t, j]) * y
+            if reap is not None:
+                reap[int(idx[t, j])] += float(wts[t, j]) * float(y.norm())
     return out
 
 
@@ -684,18 +688,6 @@ def test_routed_experts_stacked_views_and_keep():
         )
 
 
-def _grouped_mm_on_cpu() -> bool:
-    try:
-        a, b = torch.ones(32, 16, dtype=torch.bfloat16), torch.ones(2, 16, 16, dtype=torch.bfloat16)
-        return bool(
-            (
-                torch._grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([16, 32], dtype=torch.int32)) == 16
-            ).all()
-        )
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-
-
 @pytest.mark.parametrize("remap", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_grouped_routed_output_matches_the_formula(device, remap):
@@ -706,7 +698,7 @@ def test_grouped_routed_output_matches_the_formula(device, remap):
     ``torch._grouped_mm`` does (the run itself uses it only on CUDA)."""
     e_, d, i, t, k = 16, 256, 128, 3000, 4
     dev = torch.device(device)
-    if device == "cpu" and not _grouped_mm_on_cpu():
+    if device == "cpu" and not calibrate._grouped_mm_runs(dev):
         pytest.skip("this torch has no torch._grouped_mm on the CPU")
     gate_up = (torch.randn(e_, 2 * i, d, device=dev) * d**-0.5).bfloat16()
     down = (torch.randn(e_, d, i, device=dev) * i**-0.5).bfloat16()
@@ -738,10 +730,13 @@ def test_grouped_routed_output_matches_the_formula(device, remap):
     routed.stats = None
     safe = torch.where(idx < routed.n_experts, idx, 0)
     cpu = [v.cpu() for v in (routed.gate_up, routed.down)]
-    ref = _routed_reference(*cpu, torch.nn.functional.silu, x.cpu(), safe.cpu(), wts.cpu()).to(dev)
+    reap = torch.zeros(routed.n_experts, dtype=torch.float64)
+    ref = _routed_reference(*cpu, torch.nn.functional.silu, x.cpu(), safe.cpu(), wts.cpu(), reap=reap).to(dev)
     assert outs["grouped"].dtype == torch.float64 and torch.isfinite(outs["grouped"]).all()
     _close(outs["grouped"], ref, 1.5e-2)
     _close(outs["per_expert"], ref, 1e-2)
     _close(outs["grouped"], outs["per_expert"], 1.5e-2)
     torch.testing.assert_close(stats["grouped"], stats["per_expert"], rtol=1e-2, atol=0)
+    torch.testing.assert_close(stats["grouped"], reap, rtol=1e-2, atol=0)  # the formula's REAP
+    torch.testing.assert_close(stats["per_expert"], reap, rtol=1e-2, atol=0)
     assert bool((stats["grouped"] > 0).all())

@@ -723,26 +723,31 @@ def _fp8_dequant(sess, name: str, t: torch.Tensor, device, dtype, block: int) ->
 # The routed experts during calibration
 
 
-_GROUPED_MM: dict[int, bool] = {}
+_GROUPED_MM: dict[tuple[str, int | None], bool] = {}
 
 
 def _grouped_mm_runs(device: torch.device) -> bool:
     """Whether this torch's ``torch._grouped_mm`` (2D inputs x 3D weights with offsets, bf16)
-    runs on CUDA ``device``: Hopper or newer, tried once per device on a tiny problem, since
-    which GPUs a torch release supports varies (older GPUs and older torch: experts one by one)."""
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _GROUPED_MM:
-        ok = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(i) >= (9, 0)
+    runs on ``device``, tried once per device on a tiny problem, since which devices a torch
+    release supports varies; on CUDA only Hopper or newer is tried (older GPUs: experts one by
+    one)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device.type, device.index)
+    if key not in _GROUPED_MM:
+        ok = hasattr(torch, "_grouped_mm") and (
+            device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+        )
         if ok:
-            a = torch.ones(32, 16, dtype=torch.bfloat16, device=i)
-            b = torch.ones(2, 16, 16, dtype=torch.bfloat16, device=i)
-            offs = torch.tensor([16, 32], dtype=torch.int32, device=i)
+            a = torch.ones(32, 16, dtype=torch.bfloat16, device=device)
+            b = torch.ones(2, 16, 16, dtype=torch.bfloat16, device=device)
+            offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
             try:
                 ok = bool((torch._grouped_mm(a, b.transpose(1, 2), offs=offs) == 16).all())
             except (RuntimeError, NotImplementedError):
                 ok = False
-        _GROUPED_MM[i] = ok
-    return _GROUPED_MM[i]
+        _GROUPED_MM[key] = ok
+    return _GROUPED_MM[key]
 
 
 class _RoutedExperts(torch.nn.Module):
@@ -891,7 +896,7 @@ class _RoutedExperts(torch.nn.Module):
             self.stats.reap += reap.cpu()
         pos = torch.empty_like(order)
         pos[order] = torch.arange(order.numel(), device=order.device)
-        return F.embedding_bag(pos.view(t, k), y, mode="sum").to(x.dtype)
+        return F.embedding_bag(pos.view(t, k), y, mode="sum")  # bf16, as x (see grouped)
 
 
 class _Collected:
