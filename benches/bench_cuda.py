@@ -7,8 +7,8 @@ int4 "tinygemm") for the W4A16 GEMM; a device-to-device copy for the fused AWQ
 quantize+pack; the GPTQ authors' blocked "fasterquant" loop (one matrix) and the same loop
 vectorised over experts with ``torch.bmm`` (static groups) for the GPTQ solver; a
 vectorised plain-PyTorch MSE grid search; the previous chol + inverse + chol Hessian
-preparation; a torch loop of ``mm(out_dtype=float32)`` over experts for the per-expert
-Hessians. DeepSeek-V3 shapes, group 128.
+preparation; cuBLAS ``mm(out_dtype=float32)`` for the dense Hessian and a torch loop of
+gather + that ``mm`` over experts for the per-expert Hessians. DeepSeek-V3 shapes, group 128.
 """
 
 from __future__ import annotations
@@ -333,17 +333,37 @@ def bench_prep(rows, batch):
 
 
 def bench_hessian(rows):
-    """Per-expert Hessians ``X_eᵀ X_e`` (fp32 accumulate, bf16 inputs) of a layer's routed
-    tokens: forge's :func:`forge.calibrate.gram` (upper blocks only) against a torch loop of
-    ``mm(out_dtype=float32)``, and the dense ``XᵀX`` of o_proj's input (D=16384) against one
-    cuBLAS ``mm``; errors against float64."""
+    """Hessians ``XᵀX`` in fp32 from bf16 inputs: forge's tensor-core kernel
+    (``forge.hessian_update``, upper tiles only) against one cuBLAS ``mm(out_dtype=float32)``
+    for o_proj's input (D=16384); per-expert Hessians of a layer's routed tokens in ONE
+    ``forge.hessian_update_segmented`` launch (rows read by index, no gathered copy) against a
+    torch loop over experts of gather + ``mm(out_dtype=float32)`` (and the run's previous
+    per-expert :func:`forge.calibrate.gram`). Errors: max |H − H64| / max |H64| against
+    float64 on the largest expert."""
     from forge.calibrate import gram
 
     xd = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
+    hd = torch.zeros(16384, 16384, device="cuda")
+
+    def dense(hd=hd, xd=xd):
+        hd.zero_()
+        return forge.hessian_update(hd, xd, 1.0)
+
     t_peer = cuda_time(lambda xd=xd: torch.mm(xd.t(), xd, out_dtype=torch.float32), reps=5)
-    t_ours = cuda_time(lambda xd=xd: gram(xd), reps=5)
+    t_gram = cuda_time(lambda xd=xd: gram(xd), reps=5)
+    t_ours = cuda_time(dense, reps=5)
+    # The fp32 SIMT kernel (forge's path for float32 inputs; 16-bit inputs ran on it before the
+    # tensor-core kernel) on a float32 copy of the same values.
+    xf = xd[:4096].float()
+    t_simt = cuda_time(lambda hd=hd, xf=xf: forge.hessian_update(hd, xf, 1.0), reps=2, warmup=1) * 4
+    del xf
     ref = xd[:, :512].double().T @ xd[:, :512].double()
-    err = float((gram(xd)[:512, :512].double() - ref).abs().max() / ref.abs().max())
+    err = float((dense()[:512, :512].double() - ref).abs().max() / ref.abs().max())
+    err_peer = float(
+        (torch.mm(xd[:, :512].t(), xd[:, :512], out_dtype=torch.float32).double() - ref).abs().max()
+        / ref.abs().max()
+    )
+    flops = 2 * 16384**3
     rows.append(
         dict(
             op="hessian_dense",
@@ -353,58 +373,71 @@ def bench_hessian(rows):
             peer_us=t_peer * 1e6,
             ours_us=t_ours * 1e6,
             ratio=t_peer / t_ours,
-            rel_err_vs_f64=err,
-        )
-    )
-    print_row(rows[-1])
-    del xd
-    e, top_k, t, d = 64, 8, 32768, 7168
-    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(t, 256, device="cuda") + torch.randn(256, device="cuda")
-    idx = logits.topk(top_k, dim=-1).indices.reshape(-1) % e
-    order = torch.argsort(idx, stable=True)
-    counts = torch.bincount(idx, minlength=e)
-    tok = order // top_k
-
-    def loop():
-        xs = x[tok]
-        out, start = [], 0
-        for c in counts.tolist():
-            xe = xs[start : start + c]
-            out.append(torch.mm(xe.t(), xe, out_dtype=torch.float32))
-            start += c
-        return torch.stack(out)
-
-    def ours():
-        xs = x[tok]
-        out, start = [], 0
-        for c in counts.tolist():
-            out.append(gram(xs[start : start + c]))
-            start += c
-        return torch.stack(out)
-
-    t_peer = cuda_time(loop, reps=3, warmup=1)
-    t_ours = cuda_time(ours, reps=3, warmup=1)
-    a, b = ours(), loop()
-    e0 = int(counts.argmax())
-    xe = x[tok[int(counts[:e0].sum()) : int(counts[: e0 + 1].sum())]].double()
-    ref = xe.T @ xe
-    err = float((a[e0].double() - ref).abs().max() / ref.abs().max())
-    err_peer = float((b[e0].double() - ref).abs().max() / ref.abs().max())
-    rows.append(
-        dict(
-            op="hessian_experts",
-            shape=f"D={d} {e} experts, {t}x{top_k} rows",
-            M="-",
-            peer="torch mm loop",
-            peer_us=t_peer * 1e6,
-            ours_us=t_ours * 1e6,
-            ratio=t_peer / t_ours,
+            gram_us=t_gram * 1e6,
+            simt_f32_us=t_simt * 1e6,
+            tflops=flops / t_ours / 1e12,
             rel_err_vs_f64=err,
             peer_rel_err_vs_f64=err_peer,
         )
     )
     print_row(rows[-1])
+    del xd, hd
+    for e, top_k, t, d in ((64, 8, 32768, 7168), (64, 8, 131072, 7168), (256, 8, 65536, 2048)):
+        torch.cuda.empty_cache()
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        # Skewed routing (a per-expert bias), as in bench_gptq_layer.
+        logits = torch.randn(t, e, device="cuda") + 1.5 * torch.randn(e, device="cuda")
+        idx = logits.topk(top_k, dim=-1).indices.reshape(-1)
+        order = torch.argsort(idx, stable=True)
+        counts = torch.bincount(idx, minlength=e)
+        tok = order // top_k
+        tok32 = tok.to(torch.int32)
+        offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
+        offsets[1:] = counts.cumsum(0)
+        cl = counts.tolist()
+        h = torch.empty(e, d, d, device="cuda")
+
+        def loop(per_expert, x=x, tok=tok, cl=cl):
+            xs = x[tok]
+            out, start = [], 0
+            for c in cl:
+                out.append(per_expert(xs[start : start + c]))
+                start += c
+            return out
+
+        def ours(h=h, x=x, tok32=tok32, offsets=offsets):
+            h.zero_()
+            return forge.hessian_update_segmented(h, x, tok32, offsets, 1.0)
+
+        peer = lambda: loop(lambda xe: torch.mm(xe.t(), xe, out_dtype=torch.float32))  # noqa: E731
+        t_peer = cuda_time(peer, reps=3, warmup=1)
+        t_gram = cuda_time(lambda: loop(gram), reps=3, warmup=1)
+        t_ours = cuda_time(ours, reps=3, warmup=1)
+        e0 = int(counts.argmax())
+        xe = x[tok[int(counts[:e0].sum()) : int(counts[: e0 + 1].sum())]]
+        ref = xe.double().T @ xe.double()
+        got = ours()[e0].double()
+        err = float((got - ref).abs().max() / ref.abs().max())
+        err_peer = float(
+            (torch.mm(xe.t(), xe, out_dtype=torch.float32).double() - ref).abs().max() / ref.abs().max()
+        )
+        rows.append(
+            dict(
+                op="hessian_experts",
+                shape=f"D={d} {e} experts, {t}x{top_k} rows",
+                M="-",
+                peer="gather + torch mm loop",
+                peer_us=t_peer * 1e6,
+                ours_us=t_ours * 1e6,
+                ratio=t_peer / t_ours,
+                gram_loop_us=t_gram * 1e6,
+                tflops=2 * t * top_k * d * d / t_ours / 1e12,
+                rel_err_vs_f64=err,
+                peer_rel_err_vs_f64=err_peer,
+            )
+        )
+        print_row(rows[-1])
+        del x, h
 
 
 def print_row(r):
@@ -423,6 +456,8 @@ def print_row(r):
         )
     if "rel_err_vs_f64" in r:
         extra += f"  rel err {r['rel_err_vs_f64']:.1e}"
+        if "peer_rel_err_vs_f64" in r:
+            extra += f" (peer {r['peer_rel_err_vs_f64']:.1e})"
     print(
         f"{r['op']:15s} {r['shape']:22s} M={str(r['M']):>4s} {r['peer']:22s} {r['peer_us']:10.1f}us "
         f"ours {r['ours_us']:10.1f}us  x{r['ratio']:6.2f}{extra}",

@@ -1,8 +1,20 @@
 // hessian.cu — H += alpha · XᵀX in fp32 (X: [T, D], f32 / f16 / bf16), and the segmented form
 // for routed experts: for expert e, the rows idx[off[e] .. off[e+1]) of X go into
-// H_e = H + e·D·D. Only the upper-triangular 64×64 tiles are computed; each is added to
-// both (i, j) and (j, i) (the products are commutative, so H stays exactly symmetric).
-// Tile: 64×64, 256 threads, 4×4 outputs per thread, 16 rows of X per step.
+// H_e = H + e·D·D (one launch for every expert: blockIdx.y is the expert).
+//
+// Two kernels, both computing only the tiles on and above the diagonal and mirroring them
+// (H stays exactly symmetric):
+//  - hessian_tc_<f16|bf16>: tensor cores, for 16-bit inputs with D % 8 == 0 and a 16-byte
+//    aligned X. mma.sync m16n8k16, fp32 accumulate: a product of two 16-bit values is exact
+//    in fp32, so this sums the same exact products as the SIMT kernel, in another order.
+//    Tile 128×128, 8 warps (2×4, 64×32 each), 32 rows of X per step through a 4-stage
+//    cp.async pipeline; the rows are gathered by index straight from X (no gathered copy).
+//    Shared memory holds the rows as loaded ([k][feature], 16-byte chunks XOR-swizzled by
+//    row so ldmatrix reads are conflict-free) and ldmatrix.trans turns them into both the A
+//    (Xᵀ) and the B (X) fragments. A diagonal tile reads one operand for both.
+//  - hessian_accum_<f32|f16|bf16>: fp32 SIMT, 64×64 tiles, 256 threads, 4×4 outputs per
+//    thread, 16 rows of X per step (f32 inputs, and 16-bit inputs the tensor-core kernel
+//    does not take).
 
 #define HS_T 64
 #define HS_K 16
@@ -74,3 +86,166 @@ __device__ __forceinline__ void hessian_impl(const void* x, float* H, const int*
 FORGE_HESS_ENTRY(f32, FORGE_DT_F32)
 FORGE_HESS_ENTRY(f16, FORGE_DT_F16)
 FORGE_HESS_ENTRY(bf16, FORGE_DT_BF16)
+
+// ---- tensor cores -------------------------------------------------------------------------
+#define HT_T 128
+#define HT_K 32
+#define HT_ST 4
+#define HT_THREADS 256
+#define HT_SROW (HT_T + 1)  // row stride of the fp32 tile staged for the epilogue (odd: no bank conflicts)
+#define HT_TILE_ELEMS (HT_K * HT_T)  // one operand of one stage, in 16-bit elements
+
+// Element (row k, column c) of a [HT_K][HT_T] stage: 16-byte chunk c/8 is stored at chunk
+// (c/8) ^ (k % 8) of its row.
+__device__ __forceinline__ int ht_at(int k, int c) { return k * HT_T + ((((c >> 3) ^ k) & 7) | ((c >> 3) & 8)) * 8 + (c & 7); }
+
+// Tile (bi ≤ bj) of block b: the upper triangle of nb × nb tiles is walked in groups of
+// HT_GROUP × HT_GROUP tiles (upper groups only; a diagonal group's upper tiles), so that the
+// blocks resident at one time read the rows of few column blocks and share them in L2.
+#define HT_GROUP 8
+__device__ __forceinline__ void ht_tile(int b, int nb, int& bi, int& bj) {
+    const int ng = (nb + HT_GROUP - 1) / HT_GROUP;
+    for (int gi = 0; gi < ng; gi++) {
+        const int ri = min(HT_GROUP, nb - gi * HT_GROUP);
+        for (int gj = gi; gj < ng; gj++) {
+            const int rj = min(HT_GROUP, nb - gj * HT_GROUP);
+            const int cnt = gi == gj ? ri * (ri + 1) / 2 : ri * rj;
+            if (b < cnt) {
+                if (gi == gj) {
+                    int a = 0;
+                    while (b >= ri - a) { b -= ri - a; a++; }
+                    bi = gi * HT_GROUP + a;
+                    bj = bi + b;
+                } else {
+                    bi = gi * HT_GROUP + b / rj;
+                    bj = gj * HT_GROUP + b % rj;
+                }
+                return;
+            }
+            b -= cnt;
+        }
+    }
+    bi = bj = 0;  // not reached: the grid has nb (nb + 1) / 2 blocks
+}
+
+template <bool BF>
+__device__ __forceinline__ void hessian_tc_impl(const u16* x, float* H, const int* idx, const int* off, int T, int D,
+                                                float alpha) {
+    extern __shared__ __align__(16) u16 hs_smem[];
+    int bi, bj;
+    ht_tile(blockIdx.x, (D + HT_T - 1) / HT_T, bi, bj);
+    const bool diag = bi == bj;
+    const int e = blockIdx.y;
+    int r0 = 0, r1 = T;
+    if (off) { r0 = off[e]; r1 = off[e + 1]; }
+    if (r1 <= r0) return;
+    float* He = H + (i64)e * D * D;
+    const int i0 = bi * HT_T, j0 = bj * HT_T;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
+    u16* As = hs_smem;
+    u16* Bs = hs_smem + HT_ST * HT_TILE_ELEMS;
+
+    // Stage loader: 32 rows × 16 chunks per operand; thread tid moves chunks tid + 128·it.
+    auto load = [&](int step, int stage) {
+        const int t0 = r0 + step * HT_K;
+#pragma unroll
+        for (int it = 0; it < 2; it++) {
+            const int l = tid + HT_THREADS * it, k = l >> 4, ch = l & 15;
+            const int t = t0 + k;
+            const bool row_ok = t < r1;
+            const i64 row = row_ok ? (idx ? (i64)idx[t] : (i64)t) : 0;
+            const int s = stage * HT_TILE_ELEMS + ht_at(k, ch * 8);
+            const bool a_ok = row_ok && i0 + ch * 8 < D;
+            cp_async16(As + s, x + (a_ok ? row * D + i0 + ch * 8 : 0), a_ok ? 16 : 0);
+            if (!diag) {
+                const bool b_ok = row_ok && j0 + ch * 8 < D;
+                cp_async16(Bs + s, x + (b_ok ? row * D + j0 + ch * 8 : 0), b_ok ? 16 : 0);
+            }
+        }
+    };
+
+    float acc[4][4][4];
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[a][c][q] = 0.0f;
+
+    const int steps = (r1 - r0 + HT_K - 1) / HT_K;
+#pragma unroll
+    for (int s = 0; s < HT_ST - 1; s++) {
+        if (s < steps) load(s, s);
+        cp_async_commit();
+    }
+    // ldmatrix lane roles: matrix q = lane / 8, its row r = lane % 8.
+    const int q = lane >> 3, r = lane & 7;
+    for (int step = 0; step < steps; step++) {
+        cp_async_wait<HT_ST - 2>();
+        __syncthreads();
+        if (step + HT_ST - 1 < steps) load(step + HT_ST - 1, (step + HT_ST - 1) % HT_ST);
+        cp_async_commit();
+        const u16* as = As + (step % HT_ST) * HT_TILE_ELEMS;
+        const u16* bs = (diag ? As : Bs) + (step % HT_ST) * HT_TILE_ELEMS;
+#pragma unroll
+        for (int kk = 0; kk < HT_K; kk += 16) {
+            u32 af[4][4], bfr[2][4];
+            // A = Xᵀ (m = feature, k = row): matrices (k 0-7, m 0-7), (k 0-7, m 8-15),
+            // (k 8-15, m 0-7), (k 8-15, m 8-15) give a0..a3.
+#pragma unroll
+            for (int mi = 0; mi < 4; mi++)
+                ldmatrix_x4_trans(af[mi], as + ht_at(kk + r + ((q >> 1) << 3), wm + mi * 16 + ((q & 1) << 3)));
+            // B = X (k = row, n = feature): matrices (k 0-7, n 0-7), (k 8-15, n 0-7),
+            // (k 0-7, n 8-15), (k 8-15, n 8-15) give b0, b1 of two n-tiles.
+#pragma unroll
+            for (int nj = 0; nj < 2; nj++)
+                ldmatrix_x4_trans(bfr[nj], bs + ht_at(kk + r + ((q & 1) << 3), wn + nj * 16 + ((q >> 1) << 3)));
+#pragma unroll
+            for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++)
+                    mma16816<BF>(acc[mi][ni], af[mi], bfr[ni >> 1][(ni & 1) * 2], bfr[ni >> 1][(ni & 1) * 2 + 1]);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Epilogue through shared memory, so that both H[i0.., j0..] and its mirror
+    // H[j0.., i0..] are read and written a row at a time (coalesced). Accumulator (mi, ni):
+    // c0, c1 at (g, 2t), (g, 2t+1); c2, c3 at (g+8, 2t), (g+8, 2t+1).
+    float* S = reinterpret_cast<float*>(hs_smem);
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                S[(wm + mi * 16 + g + ((c >> 1) << 3)) * HT_SROW + wn + ni * 8 + 2 * t4 + (c & 1)] = acc[mi][ni][c];
+    __syncthreads();
+    // Warp w takes tile rows w, w + 8, ...; lane l columns l, l + 32, l + 64, l + 96. A
+    // diagonal tile takes each value from its upper triangle, so H stays exactly symmetric.
+    for (int a = warp; a < HT_T; a += HT_THREADS / 32) {
+#pragma unroll
+        for (int cq = 0; cq < HT_T; cq += 32) {
+            const int c = cq + lane;
+            const int i = i0 + a, j = j0 + c;
+            if (i < D && j < D) {
+                const float v = diag && a > c ? S[c * HT_SROW + a] : S[a * HT_SROW + c];
+                He[(i64)i * D + j] += alpha * v;
+            }
+            // The mirror: row j0 + a of H, columns i0 + c, from column a of S.
+            const int mi_ = j0 + a, mj = i0 + c;
+            if (!diag && mi_ < D && mj < D) He[(i64)mi_ * D + mj] += alpha * S[c * HT_SROW + a];
+        }
+    }
+}
+
+#define FORGE_HESS_TC_ENTRY(SUF, BF)                                                                       \
+    extern "C" __global__ void __launch_bounds__(HT_THREADS, 2) hessian_tc_##SUF(const u16* x, float* H, const int* idx, \
+                                                                          const int* off, int T, int D, float alpha) { \
+        hessian_tc_impl<BF>(x, H, idx, off, T, D, alpha);                                                  \
+    }
+FORGE_HESS_TC_ENTRY(f16, false)
+FORGE_HESS_TC_ENTRY(bf16, true)

@@ -104,6 +104,8 @@ impl Module {
                 "hessian_accum_f32",
                 "hessian_accum_f16",
                 "hessian_accum_bf16",
+                "hessian_tc_f16",
+                "hessian_tc_bf16",
             ],
             Module::Gptq => &["gptq_block_f32", "gptq_trail128_f32"],
         }
@@ -119,7 +121,13 @@ pub fn module_of(name: &str) -> Option<Module> {
 
 /// Dynamic shared memory (bytes) a kernel may need beyond the default 48 KB.
 pub fn dynamic_smem_limit(name: &str) -> Option<usize> {
-    name.starts_with("w4a16_gemv2").then_some(96 * 1024)
+    if name.starts_with("w4a16_gemv2") {
+        Some(96 * 1024)
+    } else if name.starts_with("hessian_tc") {
+        Some(crate::ops::HESSIAN_TC_SMEM as usize)
+    } else {
+        None
+    }
 }
 
 /// Every kernel entry point.

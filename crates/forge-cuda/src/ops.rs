@@ -1356,6 +1356,10 @@ pub unsafe fn hessian_accumulate_segmented(
     unsafe { hessian_launch(x, dtype, 0, d, h, alpha, idx, offsets, experts, s) }
 }
 
+/// Shared memory of `hessian_tc_<dt>`: 4 stages of two 32 × 128 16-bit tiles, reused by
+/// the epilogue's 128 × 129 fp32 tile (the larger of the two).
+pub(crate) const HESSIAN_TC_SMEM: u32 = 128 * 129 * 4;
+
 #[allow(clippy::too_many_arguments)]
 unsafe fn hessian_launch(
     x: u64,
@@ -1376,8 +1380,16 @@ unsafe fn hessian_launch(
     check_align("x", x, dtype.size() as u64)?;
     check_align("h", h, 4)?;
     let dev = dev_of(s)?;
-    let f = dev.function(kname("hessian_accum", dtype)?)?;
-    let nb = d.div_ceil(64);
+    // Tensor cores take 16-bit rows that split into aligned 16-byte chunks (cuda/hessian.cu).
+    let tc =
+        matches!(dtype, DType::F16 | DType::Bf16) && d.is_multiple_of(8) && x.is_multiple_of(16);
+    let (name, tile, threads, smem) = if tc {
+        ("hessian_tc", 128, 256, HESSIAN_TC_SMEM)
+    } else {
+        ("hessian_accum", 64, 256, 0)
+    };
+    let f = dev.function(kname(name, dtype)?)?;
+    let nb = d.div_ceil(tile);
     let tiles = nb * (nb + 1) / 2;
     let (mut px, mut ph, mut pi, mut po) = (x, h, idx, offsets);
     let (mut tt, mut dd, mut al) = (to_i32("t", t)?, to_i32("d", d)?, alpha);
@@ -1387,8 +1399,8 @@ unsafe fn hessian_launch(
         to_i32("experts", experts)? as u32,
         1,
     );
-    // SAFETY: parameter list matches hessian_accum_<dt>.
-    unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
+    // SAFETY: parameter list matches hessian_accum_<dt> and hessian_tc_<dt>.
+    unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) }
 }
 
 // ---------------------------------------------------------------------------------------

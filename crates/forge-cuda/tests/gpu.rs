@@ -724,13 +724,17 @@ fn hessian_matches_f64() {
             }
         }
     }
-    // Segmented: 3 experts, random token lists (one empty).
-    let (t, d) = (500usize, 96usize);
-    let x: Vec<f32> = (0..t * d).map(|_| r.n()).collect();
+    // Segmented: 3 experts, random token lists (one empty); f32 runs the SIMT kernel, bf16
+    // with D % 8 == 0 the tensor-core one (D = 264: two full 128-wide tiles and a partial one;
+    // one list spans several 32-row steps and ends inside one).
+    let (t, d) = (500usize, 264usize);
     let lists: Vec<Vec<i32>> = vec![
         (0..t as i32).filter(|i| i % 3 == 0).collect(),
         vec![],
-        (0..t as i32).filter(|i| i % 5 == 1 || i % 7 == 2).collect(),
+        (0..t as i32)
+            .rev()
+            .filter(|i| i % 5 == 1 || i % 7 == 2)
+            .collect(),
     ];
     let mut idx = Vec::new();
     let mut off = vec![0i32];
@@ -738,40 +742,58 @@ fn hessian_matches_f64() {
         idx.extend_from_slice(l);
         off.push(idx.len() as i32);
     }
-    let dx = DeviceBuf::from_slice(0, &x).unwrap();
-    let di = DeviceBuf::from_slice(0, &idx).unwrap();
-    let doff = DeviceBuf::from_slice(0, &off).unwrap();
-    let dh = DeviceBuf::zeroed(0, 3 * d * d * 4).unwrap();
-    unsafe {
-        ops::hessian_accumulate_segmented(
-            dx.ptr(),
-            DType::F32,
-            d,
-            di.ptr(),
-            doff.ptr(),
-            3,
-            dh.ptr(),
-            1.0,
-            S,
-        )
-    }
-    .unwrap();
-    synchronize(0).unwrap();
-    let h: Vec<f32> = dh.download().unwrap();
-    for (e, l) in lists.iter().enumerate() {
-        for i in 0..d {
-            for j in 0..d {
-                let (mut s, mut mag) = (0f64, 0f64);
-                for &tt in l {
-                    let p = x[tt as usize * d + i] as f64 * x[tt as usize * d + j] as f64;
-                    s += p;
-                    mag += p.abs();
+    for dt in [DType::F32, DType::Bf16] {
+        let xf: Vec<f32> = (0..t * d).map(|_| r.n()).collect();
+        let (bytes, x): (Vec<u8>, Vec<f32>) = if dt == DType::F32 {
+            (xf.iter().flat_map(|v| v.to_le_bytes()).collect(), xf)
+        } else {
+            (
+                xf.iter()
+                    .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+                    .collect(),
+                xf.iter().map(|v| bf16::from_f32(*v).to_f32()).collect(),
+            )
+        };
+        let dx = DeviceBuf::from_slice(0, &bytes).unwrap();
+        let di = DeviceBuf::from_slice(0, &idx).unwrap();
+        let doff = DeviceBuf::from_slice(0, &off).unwrap();
+        let dh = DeviceBuf::zeroed(0, 3 * d * d * 4).unwrap();
+        unsafe {
+            ops::hessian_accumulate_segmented(
+                dx.ptr(),
+                dt,
+                d,
+                di.ptr(),
+                doff.ptr(),
+                3,
+                dh.ptr(),
+                1.0,
+                S,
+            )
+        }
+        .unwrap();
+        synchronize(0).unwrap();
+        let h: Vec<f32> = dh.download().unwrap();
+        for (e, l) in lists.iter().enumerate() {
+            for i in 0..d {
+                for j in 0..d {
+                    let (mut s, mut mag) = (0f64, 0f64);
+                    for &tt in l {
+                        let p = x[tt as usize * d + i] as f64 * x[tt as usize * d + j] as f64;
+                        s += p;
+                        mag += p.abs();
+                    }
+                    let got = h[e * d * d + i * d + j] as f64;
+                    assert!(
+                        (got - s).abs() <= 1e-5 * mag + 1e-6,
+                        "{dt:?} expert {e} H[{i},{j}] {got} vs {s}"
+                    );
+                    assert_eq!(
+                        got.to_bits(),
+                        (h[e * d * d + j * d + i] as f64).to_bits(),
+                        "symmetry"
+                    );
                 }
-                let got = h[e * d * d + i * d + j] as f64;
-                assert!(
-                    (got - s).abs() <= 1e-5 * mag + 1e-6,
-                    "expert {e} H[{i},{j}] {got} vs {s}"
-                );
             }
         }
     }
