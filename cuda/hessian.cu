@@ -128,6 +128,28 @@ __device__ __forceinline__ void ht_tile(int b, int nb, int& bi, int& bj) {
     bi = bj = 0;  // not reached: the grid has nb (nb + 1) / 2 blocks
 }
 
+// Adds alpha · S (the block's 128 × 128 fp32 tile, row stride HT_SROW) to H at (i0, j0) and
+// its mirror at (j0, i0), a row at a time: warp w takes tile rows w, w + 8, ..., lane l
+// columns l, l + 32, l + 64, l + 96. A diagonal tile takes each value from its upper
+// triangle, so H stays exactly symmetric.
+__device__ __forceinline__ void ht_epilogue(const float* S, float* He, int D, int i0, int j0, bool diag, float alpha) {
+    const int lane = threadIdx.x & 31;
+    for (int a = threadIdx.x >> 5; a < HT_T; a += blockDim.x >> 5) {
+#pragma unroll
+        for (int cq = 0; cq < HT_T; cq += 32) {
+            const int c = cq + lane;
+            const int i = i0 + a, j = j0 + c;
+            if (i < D && j < D) {
+                const float v = diag && a > c ? S[c * HT_SROW + a] : S[a * HT_SROW + c];
+                He[(i64)i * D + j] += alpha * v;
+            }
+            // The mirror: row j0 + a of H, columns i0 + c, from column a of S.
+            const int mi_ = j0 + a, mj = i0 + c;
+            if (!diag && mi_ < D && mj < D) He[(i64)mi_ * D + mj] += alpha * S[c * HT_SROW + a];
+        }
+    }
+}
+
 template <bool BF>
 __device__ __forceinline__ void hessian_tc_impl(const u16* x, float* H, const int* idx, const int* off, int T, int D,
                                                 float alpha) {
@@ -224,22 +246,7 @@ __device__ __forceinline__ void hessian_tc_impl(const u16* x, float* H, const in
             for (int c = 0; c < 4; c++)
                 S[(wm + mi * 16 + g + ((c >> 1) << 3)) * HT_SROW + wn + ni * 8 + 2 * t4 + (c & 1)] = acc[mi][ni][c];
     __syncthreads();
-    // Warp w takes tile rows w, w + 8, ...; lane l columns l, l + 32, l + 64, l + 96. A
-    // diagonal tile takes each value from its upper triangle, so H stays exactly symmetric.
-    for (int a = warp; a < HT_T; a += HT_THREADS / 32) {
-#pragma unroll
-        for (int cq = 0; cq < HT_T; cq += 32) {
-            const int c = cq + lane;
-            const int i = i0 + a, j = j0 + c;
-            if (i < D && j < D) {
-                const float v = diag && a > c ? S[c * HT_SROW + a] : S[a * HT_SROW + c];
-                He[(i64)i * D + j] += alpha * v;
-            }
-            // The mirror: row j0 + a of H, columns i0 + c, from column a of S.
-            const int mi_ = j0 + a, mj = i0 + c;
-            if (!diag && mi_ < D && mj < D) He[(i64)mi_ * D + mj] += alpha * S[c * HT_SROW + a];
-        }
-    }
+    ht_epilogue(S, He, D, i0, j0, diag, alpha);
 }
 
 #define FORGE_HESS_TC_ENTRY(SUF, BF)                                                                       \
@@ -249,3 +256,126 @@ __device__ __forceinline__ void hessian_tc_impl(const u16* x, float* H, const in
     }
 FORGE_HESS_TC_ENTRY(f16, false)
 FORGE_HESS_TC_ENTRY(bf16, true)
+
+// ---- Hopper: wgmma (sm_90a) -----------------------------------------------------------------
+// The same tiles, walk and epilogue as hessian_tc, with warpgroup MMAs reading both operands
+// from shared memory: 2 warpgroups, each one m64n128k16 per 16 rows (its 64 features of the
+// tile's i-block against the tile's 128 features of the j-block). Shared memory holds each
+// stage as two 64-feature halves of [HW_K rows][64] (128 bytes a row), in the 128-byte
+// swizzle the MMA expects: 16-byte chunk c of row k at chunk c ^ (k % 8). Both operands are
+// "MN-major" (features contiguous): descriptor LBO = the step between 64-feature halves,
+// SBO = the step between groups of 8 rows (1024 bytes).
+#define HW_K 32
+#define HW_ST 6
+#define HW_HALF (HW_K * 64)           // 16-bit elements of one 64-feature half of a stage
+#define HW_STAGE (2 * HW_HALF)        // one operand of one stage
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ u64 hw_desc(const void* p, u32 lbo) {
+    const u64 a = smem_u32(p);
+    return ((a & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+template <bool BF>
+__device__ __forceinline__ void wgmma_m64n128k16(float d[64], u64 da, u64 db) {
+    if (BF) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "l"(da), "l"(db), "r"(1));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "l"(da), "l"(db), "r"(1));
+    }
+}
+#endif
+
+template <bool BF>
+__device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const int* idx, const int* off, int T, int D,
+                                                float alpha) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(16) u16 hs_smem[];
+    // The swizzle pattern repeats every 1024 bytes from a 1024-byte boundary.
+    u16* base = hs_smem + ((1024 - (smem_u32(hs_smem) & 1023)) & 1023) / 2;
+    int bi, bj;
+    ht_tile(blockIdx.x, (D + HT_T - 1) / HT_T, bi, bj);
+    const bool diag = bi == bj;
+    const int e = blockIdx.y;
+    int r0 = 0, r1 = T;
+    if (off) { r0 = off[e]; r1 = off[e + 1]; }
+    if (r1 <= r0) return;
+    float* He = H + (i64)e * D * D;
+    const int i0 = bi * HT_T, j0 = bj * HT_T;
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
+    u16* As = base;
+    u16* Bs = base + HW_ST * HW_STAGE;
+
+    auto load = [&](int step, int stage) {
+        const int t0 = r0 + step * HW_K;
+#pragma unroll
+        for (int it = 0; it < 2; it++) {
+            const int l = tid + 256 * it, k = l >> 4, ch = l & 15;
+            const int t = t0 + k;
+            const bool row_ok = t < r1;
+            const i64 row = row_ok ? (idx ? (i64)idx[t] : (i64)t) : 0;
+            const int s = stage * HW_STAGE + (ch >> 3) * HW_HALF + k * 64 + (((ch ^ k) & 7) << 3);
+            const bool a_ok = row_ok && i0 + ch * 8 < D;
+            cp_async16(As + s, x + (a_ok ? row * D + i0 + ch * 8 : 0), a_ok ? 16 : 0);
+            if (!diag) {
+                const bool b_ok = row_ok && j0 + ch * 8 < D;
+                cp_async16(Bs + s, x + (b_ok ? row * D + j0 + ch * 8 : 0), b_ok ? 16 : 0);
+            }
+        }
+    };
+
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) d[i] = 0.0f;
+    const int steps = (r1 - r0 + HW_K - 1) / HW_K;
+    // Loads run HW_ST - 2 steps ahead and one step's MMAs stay in flight: the stage a load
+    // overwrites was read by the MMAs of two steps before, finished by then.
+#pragma unroll
+    for (int s = 0; s < HW_ST - 2; s++) {
+        if (s < steps) load(s, s);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; step++) {
+        cp_async_wait<HW_ST - 3>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes → the MMA's reads
+        __syncthreads();
+        if (step + HW_ST - 2 < steps) load(step + HW_ST - 2, (step + HW_ST - 2) % HW_ST);
+        cp_async_commit();
+        const u16* as = As + (step % HW_ST) * HW_STAGE + wg * HW_HALF;
+        const u16* bs = (diag ? As : Bs) + (step % HW_ST) * HW_STAGE;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < HW_K; kk += 16)
+            wgmma_m64n128k16<BF>(d, hw_desc(as + kk * 64, HW_HALF * 2), hw_desc(bs + kk * 64, HW_HALF * 2));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Accumulator element 4j + c of thread (warp w of its warpgroup, lane l): row 16w + l/4
+    // (+8 for c >= 2), column 8j + 2(l%4) + (c & 1).
+    float* S = reinterpret_cast<float*>(base);
+    const int w = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+            S[(wg * 64 + w * 16 + g + ((c >> 1) << 3)) * HT_SROW + j * 8 + 2 * t4 + (c & 1)] = d[4 * j + c];
+    __syncthreads();
+    ht_epilogue(S, He, D, i0, j0, diag, alpha);
+#endif
+}
+
+#define FORGE_HESS_WG_ENTRY(SUF, BF)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 1) hessian_wg_##SUF(const u16* x, float* H, const int* idx, \
+                                                                          const int* off, int T, int D, float alpha) { \
+        hessian_wg_impl<BF>(x, H, idx, off, T, D, alpha);                                                     \
+    }
+FORGE_HESS_WG_ENTRY(f16, false)
+FORGE_HESS_WG_ENTRY(bf16, true)

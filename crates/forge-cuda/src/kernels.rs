@@ -106,6 +106,8 @@ impl Module {
                 "hessian_accum_bf16",
                 "hessian_tc_f16",
                 "hessian_tc_bf16",
+                "hessian_wg_f16",
+                "hessian_wg_bf16",
             ],
             Module::Gptq => &["gptq_block_f32", "gptq_trail128_f32"],
         }
@@ -125,6 +127,8 @@ pub fn dynamic_smem_limit(name: &str) -> Option<usize> {
         Some(96 * 1024)
     } else if name.starts_with("hessian_tc") {
         Some(crate::ops::HESSIAN_TC_SMEM as usize)
+    } else if name.starts_with("hessian_wg") {
+        Some(crate::ops::HESSIAN_WG_SMEM as usize)
     } else {
         None
     }

@@ -1329,7 +1329,7 @@ pub unsafe fn hessian_accumulate(
     alpha: f32,
     s: Stream,
 ) -> Result<()> {
-    unsafe { hessian_launch(x, dtype, t, d, h, alpha, 0, 0, 1, s) }
+    unsafe { hessian_launch(HessianKernel::Auto, x, dtype, t, d, h, alpha, 0, 0, 1, s) }
 }
 
 /// Segmented Hessians for routed experts: for expert `e` in `0..experts`, the rows
@@ -1353,15 +1353,77 @@ pub unsafe fn hessian_accumulate_segmented(
     check_align("idx", idx, 4)?;
     check_align("offsets", offsets, 4)?;
     check_nonzero("experts", experts)?;
-    unsafe { hessian_launch(x, dtype, 0, d, h, alpha, idx, offsets, experts, s) }
+    unsafe {
+        hessian_launch(
+            HessianKernel::Auto,
+            x,
+            dtype,
+            0,
+            d,
+            h,
+            alpha,
+            idx,
+            offsets,
+            experts,
+            s,
+        )
+    }
+}
+
+/// Which Hessian kernel a launch runs (cuda/hessian.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HessianKernel {
+    /// The fastest one the device and inputs allow (what [`hessian_accumulate`] and
+    /// [`hessian_accumulate_segmented`] run).
+    Auto,
+    /// fp32 SIMT (`hessian_accum_<dt>`): any dtype and D.
+    Simt,
+    /// mma.sync tensor cores (`hessian_tc_<dt>`): 16-bit inputs, D % 8 == 0, 16-byte aligned x.
+    MmaSync,
+    /// Hopper warpgroup MMA (`hessian_wg_<dt>`): as `MmaSync`, on compute capability 9.0 only.
+    Wgmma,
+}
+
+/// [`hessian_accumulate`] (`idx == 0`: rows `0..t`) or [`hessian_accumulate_segmented`]
+/// (`t` unused) on a chosen kernel, so tests and benches can run each one; a kernel the
+/// inputs or the device do not allow is an argument error.
+///
+/// # Safety
+/// As the two functions.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn hessian_accumulate_with(
+    kernel: HessianKernel,
+    x: u64,
+    dtype: DType,
+    t: usize,
+    d: usize,
+    h: u64,
+    alpha: f32,
+    idx: u64,
+    offsets: u64,
+    experts: usize,
+    s: Stream,
+) -> Result<()> {
+    if idx != 0 {
+        check_align("idx", idx, 4)?;
+        check_align("offsets", offsets, 4)?;
+    }
+    check_nonzero("experts", experts)?;
+    unsafe { hessian_launch(kernel, x, dtype, t, d, h, alpha, idx, offsets, experts, s) }
 }
 
 /// Shared memory of `hessian_tc_<dt>`: 4 stages of two 32 × 128 16-bit tiles, reused by
 /// the epilogue's 128 × 129 fp32 tile (the larger of the two).
 pub(crate) const HESSIAN_TC_SMEM: u32 = 128 * 129 * 4;
 
+/// Shared memory of `hessian_wg_<dt>` (Hopper): 6 stages of two 32 × 128 16-bit tiles (more
+/// than the epilogue's tile), plus 1 KB to start them on a 1024-byte boundary (where the MMA's
+/// 128-byte swizzle pattern repeats).
+pub(crate) const HESSIAN_WG_SMEM: u32 = 6 * 2 * 32 * 128 * 2 + 1024;
+
 #[allow(clippy::too_many_arguments)]
 unsafe fn hessian_launch(
+    kernel: HessianKernel,
     x: u64,
     dtype: DType,
     t: usize,
@@ -1383,10 +1445,31 @@ unsafe fn hessian_launch(
     // Tensor cores take 16-bit rows that split into aligned 16-byte chunks (cuda/hessian.cu).
     let tc =
         matches!(dtype, DType::F16 | DType::Bf16) && d.is_multiple_of(8) && x.is_multiple_of(16);
-    let (name, tile, threads, smem) = if tc {
-        ("hessian_tc", 128, 256, HESSIAN_TC_SMEM)
-    } else {
-        ("hessian_accum", 64, 256, 0)
+    let hopper = dev.cc == (9, 0);
+    let kernel = match kernel {
+        HessianKernel::Auto if tc && hopper => HessianKernel::Wgmma,
+        HessianKernel::Auto if tc => HessianKernel::MmaSync,
+        HessianKernel::Auto => HessianKernel::Simt,
+        HessianKernel::MmaSync | HessianKernel::Wgmma if !tc => {
+            return Err(CudaError::arg(
+                "kernel",
+                "16-bit x, 16-byte aligned, with D a multiple of 8",
+                format!("{dtype:?}, D = {d}"),
+            ))
+        }
+        HessianKernel::Wgmma if !hopper => {
+            return Err(CudaError::arg(
+                "kernel",
+                "compute capability 9.0 for Wgmma",
+                format!("{:?}", dev.cc),
+            ))
+        }
+        k => k,
+    };
+    let (name, tile, smem) = match kernel {
+        HessianKernel::Wgmma => ("hessian_wg", 128, HESSIAN_WG_SMEM),
+        HessianKernel::MmaSync => ("hessian_tc", 128, HESSIAN_TC_SMEM),
+        _ => ("hessian_accum", 64, 0),
     };
     let f = dev.function(kname(name, dtype)?)?;
     let nb = d.div_ceil(tile);
@@ -1399,8 +1482,9 @@ unsafe fn hessian_launch(
         to_i32("experts", experts)? as u32,
         1,
     );
-    // SAFETY: parameter list matches hessian_accum_<dt> and hessian_tc_<dt>.
-    unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) }
+    // SAFETY: parameter list matches hessian_accum_<dt>, hessian_tc_<dt> and hessian_wg_<dt>
+    // (256 threads each).
+    unsafe { launch(dev, f, grid, (256, 1, 1), smem, s.handle, &mut p) }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -671,6 +671,19 @@ fn w4a16_grouped_gemv_matches_cpu() {
     }
 }
 
+/// Every Hessian kernel that takes `dt` and `d` on this device (the automatic choice too).
+fn hessian_kernels(dt: DType, d: usize) -> Vec<ops::HessianKernel> {
+    use ops::HessianKernel as K;
+    let mut v = vec![K::Auto, K::Simt];
+    if dt != DType::F32 && d.is_multiple_of(8) {
+        v.push(K::MmaSync);
+        if status().compute_capability == Some((9, 0)) {
+            v.push(K::Wgmma);
+        }
+    }
+    v
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
 fn hessian_matches_f64() {
@@ -700,26 +713,43 @@ fn hessian_matches_f64() {
             let dx = DeviceBuf::from_slice(0, &bytes).unwrap();
             // Start from a non-zero H to check the accumulation.
             let h0: Vec<f32> = (0..d * d).map(|i| ((i / d + i % d) % 7) as f32).collect();
-            let dh = DeviceBuf::from_slice(0, &h0).unwrap();
-            unsafe { ops::hessian_accumulate(dx.ptr(), dt, t, d, dh.ptr(), 0.5, S) }.unwrap();
-            synchronize(0).unwrap();
-            let h: Vec<f32> = dh.download().unwrap();
-            for i in 0..d {
-                for j in 0..d {
-                    let (mut s, mut mag) = (0f64, 0f64);
-                    for tt in 0..t {
-                        let p = xr[tt * d + i] as f64 * xr[tt * d + j] as f64;
-                        s += p;
-                        mag += p.abs();
+            for kernel in hessian_kernels(dt, d) {
+                let dh = DeviceBuf::from_slice(0, &h0).unwrap();
+                unsafe {
+                    ops::hessian_accumulate_with(
+                        kernel,
+                        dx.ptr(),
+                        dt,
+                        t,
+                        d,
+                        dh.ptr(),
+                        0.5,
+                        0,
+                        0,
+                        1,
+                        S,
+                    )
+                }
+                .unwrap();
+                synchronize(0).unwrap();
+                let h: Vec<f32> = dh.download().unwrap();
+                for i in 0..d {
+                    for j in 0..d {
+                        let (mut s, mut mag) = (0f64, 0f64);
+                        for tt in 0..t {
+                            let p = xr[tt * d + i] as f64 * xr[tt * d + j] as f64;
+                            s += p;
+                            mag += p.abs();
+                        }
+                        let want = h0[i * d + j] as f64 + 0.5 * s;
+                        let tol = 1e-6 * (mag + h0[i * d + j] as f64) * (t as f64).sqrt().max(4.0);
+                        assert!(
+                            (h[i * d + j] as f64 - want).abs() <= tol,
+                            "{dt:?} {kernel:?} H[{i},{j}] {} vs {want}",
+                            h[i * d + j]
+                        );
+                        assert_eq!(h[i * d + j].to_bits(), h[j * d + i].to_bits(), "symmetry");
                     }
-                    let want = h0[i * d + j] as f64 + 0.5 * s;
-                    let tol = 1e-6 * (mag + h0[i * d + j] as f64) * (t as f64).sqrt().max(4.0);
-                    assert!(
-                        (h[i * d + j] as f64 - want).abs() <= tol,
-                        "{dt:?} H[{i},{j}] {} vs {want}",
-                        h[i * d + j]
-                    );
-                    assert_eq!(h[i * d + j].to_bits(), h[j * d + i].to_bits(), "symmetry");
                 }
             }
         }
@@ -757,42 +787,46 @@ fn hessian_matches_f64() {
         let dx = DeviceBuf::from_slice(0, &bytes).unwrap();
         let di = DeviceBuf::from_slice(0, &idx).unwrap();
         let doff = DeviceBuf::from_slice(0, &off).unwrap();
-        let dh = DeviceBuf::zeroed(0, 3 * d * d * 4).unwrap();
-        unsafe {
-            ops::hessian_accumulate_segmented(
-                dx.ptr(),
-                dt,
-                d,
-                di.ptr(),
-                doff.ptr(),
-                3,
-                dh.ptr(),
-                1.0,
-                S,
-            )
-        }
-        .unwrap();
-        synchronize(0).unwrap();
-        let h: Vec<f32> = dh.download().unwrap();
-        for (e, l) in lists.iter().enumerate() {
-            for i in 0..d {
-                for j in 0..d {
-                    let (mut s, mut mag) = (0f64, 0f64);
-                    for &tt in l {
-                        let p = x[tt as usize * d + i] as f64 * x[tt as usize * d + j] as f64;
-                        s += p;
-                        mag += p.abs();
+        for kernel in hessian_kernels(dt, d) {
+            let dh = DeviceBuf::zeroed(0, 3 * d * d * 4).unwrap();
+            unsafe {
+                ops::hessian_accumulate_with(
+                    kernel,
+                    dx.ptr(),
+                    dt,
+                    0,
+                    d,
+                    dh.ptr(),
+                    1.0,
+                    di.ptr(),
+                    doff.ptr(),
+                    3,
+                    S,
+                )
+            }
+            .unwrap();
+            synchronize(0).unwrap();
+            let h: Vec<f32> = dh.download().unwrap();
+            for (e, l) in lists.iter().enumerate() {
+                for i in 0..d {
+                    for j in 0..d {
+                        let (mut s, mut mag) = (0f64, 0f64);
+                        for &tt in l {
+                            let p = x[tt as usize * d + i] as f64 * x[tt as usize * d + j] as f64;
+                            s += p;
+                            mag += p.abs();
+                        }
+                        let got = h[e * d * d + i * d + j] as f64;
+                        assert!(
+                            (got - s).abs() <= 1e-5 * mag + 1e-6,
+                            "{dt:?} {kernel:?} expert {e} H[{i},{j}] {got} vs {s}"
+                        );
+                        assert_eq!(
+                            got.to_bits(),
+                            (h[e * d * d + j * d + i] as f64).to_bits(),
+                            "symmetry"
+                        );
                     }
-                    let got = h[e * d * d + i * d + j] as f64;
-                    assert!(
-                        (got - s).abs() <= 1e-5 * mag + 1e-6,
-                        "{dt:?} expert {e} H[{i},{j}] {got} vs {s}"
-                    );
-                    assert_eq!(
-                        got.to_bits(),
-                        (h[e * d * d + j * d + i] as f64).to_bits(),
-                        "symmetry"
-                    );
                 }
             }
         }
