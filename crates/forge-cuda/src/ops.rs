@@ -1316,65 +1316,11 @@ unsafe fn split_k(
 // ---------------------------------------------------------------------------------------
 // (d) Hessian
 
-/// `H[D, D] += alpha · XᵀX` for `x[T, D]` of `dtype` (F32, F16 or Bf16), fp32 accumulate.
-///
-/// # Safety
-/// See the module documentation.
-pub unsafe fn hessian_accumulate(
-    x: u64,
-    dtype: DType,
-    t: usize,
-    d: usize,
-    h: u64,
-    alpha: f32,
-    s: Stream,
-) -> Result<()> {
-    unsafe { hessian_launch(HessianKernel::Auto, x, dtype, t, d, h, alpha, 0, 0, 1, s) }
-}
-
-/// Segmented Hessians for routed experts: for expert `e` in `0..experts`, the rows
-/// `idx[offsets[e] .. offsets[e+1]]` (i32 token indices into `x[T, D]`) are accumulated
-/// into `H_e = h + e·D·D` floats: `H_e += alpha · X_eᵀ X_e`. `offsets` is i32 `[experts + 1]`.
-///
-/// # Safety
-/// See the module documentation; every index must be `< T`.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn hessian_accumulate_segmented(
-    x: u64,
-    dtype: DType,
-    d: usize,
-    idx: u64,
-    offsets: u64,
-    experts: usize,
-    h: u64,
-    alpha: f32,
-    s: Stream,
-) -> Result<()> {
-    check_align("idx", idx, 4)?;
-    check_align("offsets", offsets, 4)?;
-    check_nonzero("experts", experts)?;
-    unsafe {
-        hessian_launch(
-            HessianKernel::Auto,
-            x,
-            dtype,
-            0,
-            d,
-            h,
-            alpha,
-            idx,
-            offsets,
-            experts,
-            s,
-        )
-    }
-}
-
 /// Which Hessian kernel a launch runs (cuda/hessian.cu).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum HessianKernel {
-    /// The fastest one the device and inputs allow (what [`hessian_accumulate`] and
-    /// [`hessian_accumulate_segmented`] run).
+    /// The fastest one the device and inputs allow.
+    #[default]
     Auto,
     /// fp32 SIMT (`hessian_accum_<dt>`): any dtype and D.
     Simt,
@@ -1384,69 +1330,80 @@ pub enum HessianKernel {
     Wgmma,
 }
 
-/// [`hessian_accumulate`] (`idx == 0`: rows `0..t`) or [`hessian_accumulate_segmented`]
-/// (`t` unused) on a chosen kernel, so tests and benches can run each one; a kernel the
-/// inputs or the device do not allow is an argument error.
-///
-/// # Safety
-/// As the two functions.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn hessian_accumulate_with(
-    kernel: HessianKernel,
-    x: u64,
-    dtype: DType,
-    t: usize,
-    d: usize,
-    h: u64,
-    alpha: f32,
-    idx: u64,
-    offsets: u64,
-    experts: usize,
-    s: Stream,
-) -> Result<()> {
-    if idx != 0 {
-        check_align("idx", idx, 4)?;
-        check_align("offsets", offsets, 4)?;
-    }
-    check_nonzero("experts", experts)?;
-    unsafe { hessian_launch(kernel, x, dtype, t, d, h, alpha, idx, offsets, experts, s) }
+/// Which rows of `x` a Hessian update sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HessianRows {
+    /// Rows `0..t` into one `H[D, D]`.
+    All {
+        /// Rows of `x`.
+        t: usize,
+    },
+    /// Routed experts: for expert `e` in `0..experts`, the rows `idx[offsets[e] ..
+    /// offsets[e+1]]` (i32 row indices, each `<` the rows of `x`; `offsets` i32
+    /// `[experts + 1]`, 4-byte aligned) into `H_e = h + e·D·D` floats.
+    Routed {
+        /// i32 row indices.
+        idx: u64,
+        /// i32 `[experts + 1]` segment starts.
+        offsets: u64,
+        /// Number of experts (Hessians).
+        experts: usize,
+    },
 }
 
-/// Shared memory of `hessian_tc_<dt>`: 4 stages of two 32 × 128 16-bit tiles, reused by
-/// the epilogue's 128 × 129 fp32 tile (the larger of the two).
-pub(crate) const HESSIAN_TC_SMEM: u32 = 128 * 129 * 4;
+/// Arguments of [`hessian_update`]: `H += alpha · XᵀX` in fp32 (products of 16-bit inputs
+/// are exact in fp32; only the order of the sums differs between kernels), keeping `H`
+/// exactly symmetric when it starts symmetric.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HessianUpdate {
+    /// `x[T, D]` of `dtype` (F32, F16 or Bf16), row-major.
+    pub x: u64,
+    /// Element type of `x`.
+    pub dtype: DType,
+    /// Columns of `x` (the Hessian's side): positive.
+    pub d: usize,
+    /// The rows summed.
+    pub rows: HessianRows,
+    /// f32 `H[D, D]` (or `[experts, D, D]`), 4-byte aligned, updated in place.
+    pub h: u64,
+    /// Scale of the added product.
+    pub alpha: f32,
+    /// The kernel (tests and benches pick one; the run uses `Auto`).
+    pub kernel: HessianKernel,
+}
 
-/// Shared memory of `hessian_wg_<dt>` (Hopper): 6 stages of two 32 × 128 16-bit tiles (more
-/// than the epilogue's tile), plus 1 KB to start them on a 1024-byte boundary (where the MMA's
-/// 128-byte swizzle pattern repeats).
-pub(crate) const HESSIAN_WG_SMEM: u32 = 6 * 2 * 32 * 128 * 2 + 1024;
-
-#[allow(clippy::too_many_arguments)]
-unsafe fn hessian_launch(
-    kernel: HessianKernel,
-    x: u64,
-    dtype: DType,
-    t: usize,
-    d: usize,
-    h: u64,
-    alpha: f32,
-    idx: u64,
-    offsets: u64,
-    experts: usize,
-    s: Stream,
-) -> Result<()> {
-    if dtype == DType::F8E4M3 {
+/// `H += alpha · XᵀX` (see [`HessianUpdate`]). A kernel the inputs or the device do not
+/// allow is an argument error.
+///
+/// # Safety
+/// See the module documentation; every routed index must be a row of `x`.
+pub unsafe fn hessian_update(a: &HessianUpdate, s: Stream) -> Result<()> {
+    if a.dtype == DType::F8E4M3 {
         return Err(CudaError::arg("dtype", "F32, F16 or Bf16", "F8E4M3"));
     }
-    check_nonzero("d", d)?;
-    check_align("x", x, dtype.size() as u64)?;
-    check_align("h", h, 4)?;
+    check_nonzero("d", a.d)?;
+    check_align("x", a.x, a.dtype.size() as u64)?;
+    check_align("h", a.h, 4)?;
+    let (t, idx, offsets, experts) = match a.rows {
+        HessianRows::All { t } => (t, 0, 0, 1),
+        HessianRows::Routed {
+            idx,
+            offsets,
+            experts,
+        } => {
+            check_align("idx", idx, 4)?;
+            check_align("offsets", offsets, 4)?;
+            check_nonzero("experts", experts)?;
+            (0, idx, offsets, experts)
+        }
+    };
     let dev = dev_of(s)?;
     // Tensor cores take 16-bit rows that split into aligned 16-byte chunks (cuda/hessian.cu).
-    let tc =
-        matches!(dtype, DType::F16 | DType::Bf16) && d.is_multiple_of(8) && x.is_multiple_of(16);
+    let tc = matches!(a.dtype, DType::F16 | DType::Bf16)
+        && a.d.is_multiple_of(8)
+        && a.x.is_multiple_of(16);
     let hopper = dev.cc == (9, 0);
-    let kernel = match kernel {
+    let kernel = match a.kernel {
         HessianKernel::Auto if tc && hopper => HessianKernel::Wgmma,
         HessianKernel::Auto if tc => HessianKernel::MmaSync,
         HessianKernel::Auto => HessianKernel::Simt,
@@ -1454,7 +1411,7 @@ unsafe fn hessian_launch(
             return Err(CudaError::arg(
                 "kernel",
                 "16-bit x, 16-byte aligned, with D a multiple of 8",
-                format!("{dtype:?}, D = {d}"),
+                format!("{:?}, D = {}", a.dtype, a.d),
             ))
         }
         HessianKernel::Wgmma if !hopper => {
@@ -1471,11 +1428,11 @@ unsafe fn hessian_launch(
         HessianKernel::MmaSync => ("hessian_tc", 128, HESSIAN_TC_SMEM),
         _ => ("hessian_accum", 64, 0),
     };
-    let f = dev.function(kname(name, dtype)?)?;
-    let nb = d.div_ceil(tile);
+    let f = dev.function(kname(name, a.dtype)?)?;
+    let nb = a.d.div_ceil(tile);
     let tiles = nb * (nb + 1) / 2;
-    let (mut px, mut ph, mut pi, mut po) = (x, h, idx, offsets);
-    let (mut tt, mut dd, mut al) = (to_i32("t", t)?, to_i32("d", d)?, alpha);
+    let (mut px, mut ph, mut pi, mut po) = (a.x, a.h, idx, offsets);
+    let (mut tt, mut dd, mut al) = (to_i32("t", t)?, to_i32("d", a.d)?, a.alpha);
     let mut p = args!(px, ph, pi, po, tt, dd, al);
     let grid = (
         to_i32("tiles", tiles)? as u32,
@@ -1486,6 +1443,15 @@ unsafe fn hessian_launch(
     // (256 threads each).
     unsafe { launch(dev, f, grid, (256, 1, 1), smem, s.handle, &mut p) }
 }
+
+/// Shared memory of `hessian_tc_<dt>`: 4 stages of two 32 × 128 16-bit tiles, reused by
+/// the epilogue's 128 × 129 fp32 tile (the larger of the two).
+pub(crate) const HESSIAN_TC_SMEM: u32 = 128 * 129 * 4;
+
+/// Shared memory of `hessian_wg_<dt>` (Hopper): 6 stages of two 32 × 128 16-bit tiles (more
+/// than the epilogue's tile), plus 1 KB to start them on a 1024-byte boundary (where the MMA's
+/// 128-byte swizzle pattern repeats).
+pub(crate) const HESSIAN_WG_SMEM: u32 = 6 * 2 * 32 * 128 * 2 + 1024;
 
 // ---------------------------------------------------------------------------------------
 // (e) GPTQ

@@ -268,7 +268,18 @@ fn bench_all() {
     .unwrap();
     let h = DeviceBuf::zeroed(0, d * d * 4).unwrap();
     let ms = time_ms(0, 0, 1, 3, || unsafe {
-        ops::hessian_accumulate(x.ptr(), DType::Bf16, t, d, h.ptr(), 1.0, S)
+        ops::hessian_update(
+            &ops::HessianUpdate {
+                x: x.ptr(),
+                dtype: DType::Bf16,
+                d,
+                rows: ops::HessianRows::All { t },
+                h: h.ptr(),
+                alpha: 1.0,
+                kernel: ops::HessianKernel::Auto,
+            },
+            S,
+        )
     })
     .unwrap();
     println!(

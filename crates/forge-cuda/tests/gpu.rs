@@ -715,22 +715,16 @@ fn hessian_matches_f64() {
             let h0: Vec<f32> = (0..d * d).map(|i| ((i / d + i % d) % 7) as f32).collect();
             for kernel in hessian_kernels(dt, d) {
                 let dh = DeviceBuf::from_slice(0, &h0).unwrap();
-                unsafe {
-                    ops::hessian_accumulate_with(
-                        kernel,
-                        dx.ptr(),
-                        dt,
-                        t,
-                        d,
-                        dh.ptr(),
-                        0.5,
-                        0,
-                        0,
-                        1,
-                        S,
-                    )
-                }
-                .unwrap();
+                let a = ops::HessianUpdate {
+                    x: dx.ptr(),
+                    dtype: dt,
+                    d,
+                    rows: ops::HessianRows::All { t },
+                    h: dh.ptr(),
+                    alpha: 0.5,
+                    kernel,
+                };
+                unsafe { ops::hessian_update(&a, S) }.unwrap();
                 synchronize(0).unwrap();
                 let h: Vec<f32> = dh.download().unwrap();
                 for i in 0..d {
@@ -789,22 +783,20 @@ fn hessian_matches_f64() {
         let doff = DeviceBuf::from_slice(0, &off).unwrap();
         for kernel in hessian_kernels(dt, d) {
             let dh = DeviceBuf::zeroed(0, 3 * d * d * 4).unwrap();
-            unsafe {
-                ops::hessian_accumulate_with(
-                    kernel,
-                    dx.ptr(),
-                    dt,
-                    0,
-                    d,
-                    dh.ptr(),
-                    1.0,
-                    di.ptr(),
-                    doff.ptr(),
-                    3,
-                    S,
-                )
-            }
-            .unwrap();
+            let a = ops::HessianUpdate {
+                x: dx.ptr(),
+                dtype: dt,
+                d,
+                rows: ops::HessianRows::Routed {
+                    idx: di.ptr(),
+                    offsets: doff.ptr(),
+                    experts: 3,
+                },
+                h: dh.ptr(),
+                alpha: 1.0,
+                kernel,
+            };
+            unsafe { ops::hessian_update(&a, S) }.unwrap();
             synchronize(0).unwrap();
             let h: Vec<f32> = dh.download().unwrap();
             for (e, l) in lists.iter().enumerate() {

@@ -252,9 +252,17 @@ pub fn hessian_update(h: &Tensor<'_>, x: &Tensor<'_>, alpha: f32) -> PyResult<()
     x.require_same_device(h)?;
     let (t, d) = (x.shape[0], x.shape[1]);
     let s = stream_of(h)?;
+    let a = cu::HessianUpdate {
+        x: x.ptr as u64,
+        dtype: cu_dtype(x),
+        d,
+        rows: cu::HessianRows::All { t },
+        h: h.ptr as u64,
+        alpha,
+        kernel: cu::HessianKernel::Auto,
+    };
     // SAFETY: live CUDA tensors of checked shapes.
-    unsafe { cu::hessian_accumulate(x.ptr as u64, cu_dtype(x), t, d, h.ptr as u64, alpha, s) }
-        .map_err(|e| cuda_err(py, e))
+    unsafe { cu::hessian_update(&a, s) }.map_err(|e| cuda_err(py, e))
 }
 
 /// Segmented per-expert Hessians on CUDA.
@@ -272,21 +280,21 @@ pub fn hessian_update_segmented(
     }
     let d = x.shape[1];
     let s = stream_of(h)?;
-    // SAFETY: live CUDA tensors of checked shapes; indices validated by the caller.
-    unsafe {
-        cu::hessian_accumulate_segmented(
-            x.ptr as u64,
-            cu_dtype(x),
-            d,
-            idx.ptr as u64,
-            offsets.ptr as u64,
+    let a = cu::HessianUpdate {
+        x: x.ptr as u64,
+        dtype: cu_dtype(x),
+        d,
+        rows: cu::HessianRows::Routed {
+            idx: idx.ptr as u64,
+            offsets: offsets.ptr as u64,
             experts,
-            h.ptr as u64,
-            alpha,
-            s,
-        )
-    }
-    .map_err(|e| cuda_err(py, e))
+        },
+        h: h.ptr as u64,
+        alpha,
+        kernel: cu::HessianKernel::Auto,
+    };
+    // SAFETY: live CUDA tensors of checked shapes; indices validated by the caller.
+    unsafe { cu::hessian_update(&a, s) }.map_err(|e| cuda_err(py, e))
 }
 
 /// `forge.cuda_status()`: whether the CUDA path is usable, and why not.
