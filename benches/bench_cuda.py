@@ -382,6 +382,30 @@ def bench_hessian(rows):
     )
     print_row(rows[-1])
     del xd, hd
+    # The run's per-chunk Hessian: gram (one product, or the upper row panels from
+    # SYMMETRIC_ROWS rows) against one cuBLAS product, over the row counts an expert sees.
+    for d in (7168, 2048, 16384):
+        for t in (2048, 8192, 65536):
+            torch.cuda.empty_cache()
+            x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+            t_peer = cuda_time(lambda x=x: torch.mm(x.t(), x, out_dtype=torch.float32), reps=5)
+            t_ours = cuda_time(lambda x=x: gram(x), reps=5)
+            ref = x[:, :256].double().T @ x[:, :256].double()
+            err = float((gram(x)[:256, :256].double() - ref).abs().max() / ref.abs().max())
+            rows.append(
+                dict(
+                    op="hessian_gram",
+                    shape=f"D={d} T={t}",
+                    M="-",
+                    peer="cuBLAS mm fp32 out",
+                    peer_us=t_peer * 1e6,
+                    ours_us=t_ours * 1e6,
+                    ratio=t_peer / t_ours,
+                    rel_err_vs_f64=err,
+                )
+            )
+            print_row(rows[-1])
+            del x
     for e, top_k, t, d in ((64, 8, 32768, 7168), (64, 8, 131072, 7168), (256, 8, 65536, 2048)):
         torch.cuda.empty_cache()
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)

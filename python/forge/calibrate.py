@@ -224,30 +224,33 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+SYMMETRIC_ROWS = 16384
+"""Rows from which :func:`gram` multiplies only the upper triangle. Below it one full product
+is faster on an H100 (D=7168: 2048 rows 0.31 ms full against 0.59 ms for the upper blocks;
+8192 rows 1.06 against 1.19); at 65536 rows the upper panels take 6.2 ms against 9.2."""
+
+
 def gram(x: torch.Tensor) -> torch.Tensor:
     """``XᵀX (D, D)`` in float32 of ``x (T, D)``.
 
     bf16 CUDA inputs run on tensor cores with fp32 accumulation (bf16 products are exact in
-    fp32, so this is the fp32 product of the same values); with many rows only the blocks on
-    and above the diagonal are multiplied (``nb (nb + 1) / 2`` of ``nb²`` column blocks, 10
-    of 16 for ``nb = 4``) and mirrored. Other inputs: one product with fp32 output
-    (:func:`_mm_f32`).
+    fp32, so this is the fp32 product of the same values). From ``SYMMETRIC_ROWS`` rows only the
+    upper triangle is multiplied, one row panel of ``D / nb`` features at a time (panel ``i``
+    against features ``e_i..D``: ``(nb + 1) / 2nb`` of the products, 5/8 for ``nb = 4``), and
+    mirrored. Other inputs: one product with fp32 output (:func:`_mm_f32`).
     """
     t, d = x.shape
-    nb = min(4, d // 1024) if x.is_cuda and x.dtype == torch.bfloat16 and t >= 2048 else 1
-    if nb <= 1:
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and t >= SYMMETRIC_ROWS and d >= 1024):
         return _mm_f32(x.t(), x)
+    nb = 8 if d >= 12288 else 4
     edges = [round(d * i / nb / 64) * 64 for i in range(nb)] + [d]
     h = torch.empty(d, d, dtype=torch.float32, device=x.device)
     for i in range(nb):
         a0, a1 = edges[i], edges[i + 1]
-        xa = x[:, a0:a1]
-        for j in range(i, nb):
-            b0, b1 = edges[j], edges[j + 1]
-            blk = _mm_f32(xa.t(), x[:, b0:b1])
-            h[a0:a1, b0:b1] = blk
-            if j != i:
-                h[b0:b1, a0:a1] = blk.t()
+        panel = _mm_f32(x[:, a0:a1].t(), x[:, a0:])
+        h[a0:a1, a0:] = panel
+        if a1 < d:
+            h[a1:, a0:a1] = panel[:, a1 - a0 :].t()
     return h
 
 
