@@ -83,8 +83,6 @@ impl Module {
                 "w4a16_awq_bf16_m4",
                 "w4a16_gemv_f16",
                 "w4a16_gemv_bf16",
-                "w4a16_gemv2_f16",
-                "w4a16_gemv2_bf16",
                 "w4a16_gemv3_f16_r1",
                 "w4a16_gemv3_f16_r2",
                 "w4a16_gemv3_f16_r4",
@@ -123,9 +121,7 @@ pub fn module_of(name: &str) -> Option<Module> {
 
 /// Dynamic shared memory (bytes) a kernel may need beyond the default 48 KB.
 pub fn dynamic_smem_limit(name: &str) -> Option<usize> {
-    if name.starts_with("w4a16_gemv2") {
-        Some(96 * 1024)
-    } else if name.starts_with("hessian_tc") {
+    if name.starts_with("hessian_tc") {
         Some(crate::ops::HESSIAN_TC_SMEM as usize)
     } else if name.starts_with("hessian_wg") {
         Some(crate::ops::HESSIAN_WG_SMEM as usize)

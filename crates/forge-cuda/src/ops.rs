@@ -517,20 +517,15 @@ const GEMM_BN: usize = 256;
 const GEMM_BK: usize = 32;
 /// Largest shared-memory slice of x the GEMV path stages per block (bytes).
 const GEMV_SMEM: usize = 48 * 1024;
-/// Same for the GEMV v2 path (which also holds 4 warp rings of 8 × 928 bytes).
-const GEMV2_XSMEM: usize = 24 * 1024;
-const GEMV2_RINGS: usize = 4 * 8 * 928;
 
 /// GEMV kernel version for M <= 16: 1 (tensor cores, weights prefetched into registers,
-/// three batches in flight; `FORGE_GEMV=1` forces it for every M <= 16), 2 (per-warp
-/// cp.async rings in shared memory; experimental, `FORGE_GEMV=2`) or 3 (SIMT with the zero
+/// three batches in flight; `FORGE_GEMV=1` forces it for every M <= 16) or 3 (SIMT with the zero
 /// point folded out of the inner loop; the default for M = 1 and N >= 8192, where it was
 /// measured faster — 36 vs 42–46 µs at K=7168 N=18432 — while it lost at M=4 and on
 /// N=2048; `FORGE_GEMV=3` forces it for every M <= GEMV3_MAX_M).
 fn gemv_version(m: usize, n: usize) -> usize {
     match knobs().gemv {
         Some(1) => 1,
-        Some(2) => 2,
         Some(3) if m <= GEMV3_MAX_M => 3,
         _ if m == 1 && n >= 8192 => 3,
         _ => 1,
@@ -538,7 +533,7 @@ fn gemv_version(m: usize, n: usize) -> usize {
 }
 
 /// Tuning knobs from the environment, read once per process (never per launch):
-/// `FORGE_GEMV=1|2|3` and `FORGE_GEMM_MT=1|2|4`.
+/// `FORGE_GEMV=1|3` and `FORGE_GEMM_MT=1|2|4`.
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
@@ -555,7 +550,7 @@ fn knobs() -> Knobs {
                 .filter(|v| ok.contains(v))
         };
         Knobs {
-            gemv: read("FORGE_GEMV", &[1, 2, 3]),
+            gemv: read("FORGE_GEMV", &[1, 3]),
             gemm_mt: read("FORGE_GEMM_MT", &[1, 2, 4]),
         }
     })
@@ -652,11 +647,10 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
         };
     }
     if m <= 16 && gemv_ok {
-        let gemv = gemv_version(m, n).min(2);
+        let gemv = 1;
         let nblocks = (n / 8).div_ceil(8);
         // Largest K slice that fits the shared-memory budget, in units of 32.
-        let budget = if gemv == 2 { GEMV2_XSMEM } else { GEMV_SMEM };
-        let kmax = ((budget / (2 * (m + 1))).saturating_sub(8) / GEMM_BK).max(4);
+        let kmax = ((GEMV_SMEM / (2 * (m + 1))).saturating_sub(8) / GEMM_BK).max(4);
         let lo = tiles.div_ceil(kmax).max(1);
         // Every warp of a block gets at least two batches of 32.
         let hi = (tiles / 8).max(lo);
@@ -665,11 +659,7 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
         let splits = tiles.div_ceil(per);
         let k_chunk = per * GEMM_BK;
         let xbytes = (2 * (m + 1) * (k_chunk + 8)).div_ceil(16) * 16;
-        let smem = if gemv == 2 {
-            xbytes + GEMV2_RINGS
-        } else {
-            xbytes.max(3 * 32 * 32 * 4)
-        };
+        let smem = xbytes.max(3 * 32 * 32 * 4);
         return GemmPlan {
             mt: 0,
             gemv,
@@ -721,8 +711,6 @@ fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
     let mt = plan.mt;
     let name = if mt == 0 && plan.gemv == 3 {
         format!("w4a16_gemv3_{suffix}_r{}", plan.rows)
-    } else if mt == 0 && plan.gemv == 2 {
-        format!("w4a16_gemv2_{suffix}")
     } else if mt == 0 {
         format!("w4a16_gemv_{suffix}")
     } else {
