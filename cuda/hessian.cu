@@ -150,41 +150,64 @@ __device__ __forceinline__ void ht_epilogue(const float* S, float* He, int D, in
     }
 }
 
+// The tile and rows of this block (blockIdx.x: the tile, blockIdx.y: the expert); false when
+// the expert has no rows.
+struct HtBlock {
+    int i0, j0, r0, r1;
+    bool diag;
+    float* He;
+};
+__device__ __forceinline__ bool ht_block(float* H, const int* off, int T, int D, HtBlock& b) {
+    int bi, bj;
+    ht_tile(blockIdx.x, (D + HT_T - 1) / HT_T, bi, bj);
+    b.diag = bi == bj;
+    b.i0 = bi * HT_T;
+    b.j0 = bj * HT_T;
+    b.r0 = 0;
+    b.r1 = T;
+    if (off) { b.r0 = off[blockIdx.y]; b.r1 = off[blockIdx.y + 1]; }
+    b.He = H + (i64)blockIdx.y * D * D;
+    return b.r1 > b.r0;
+}
+
+// One stage: rows r0 + 32·step .. of the block's 128 i-features into As and 128 j-features
+// into Bs (not for a diagonal tile: As serves both), as 32 rows × 16 chunks of 16 bytes,
+// two chunks per operand for each of the 256 threads; chunk ch of row k lands at element
+// at(k, ch) of the stage. Rows past the segment and features past D are zero-filled.
+template <class At>
+__device__ __forceinline__ void ht_load(const u16* x, const int* idx, int D, const HtBlock& b, int step, u16* As,
+                                        u16* Bs, At at) {
+    const int t0 = b.r0 + step * HT_K;
+#pragma unroll
+    for (int it = 0; it < 2; it++) {
+        const int l = threadIdx.x + HT_THREADS * it, k = l >> 4, ch = l & 15;
+        const int t = t0 + k;
+        const bool row_ok = t < b.r1;
+        const i64 row = row_ok ? (idx ? (i64)idx[t] : (i64)t) : 0;
+        const int s = at(k, ch);
+        const bool a_ok = row_ok && b.i0 + ch * 8 < D;
+        cp_async16(As + s, x + (a_ok ? row * D + b.i0 + ch * 8 : 0), a_ok ? 16 : 0);
+        if (!b.diag) {
+            const bool b_ok = row_ok && b.j0 + ch * 8 < D;
+            cp_async16(Bs + s, x + (b_ok ? row * D + b.j0 + ch * 8 : 0), b_ok ? 16 : 0);
+        }
+    }
+}
+
 template <bool BF>
 __device__ __forceinline__ void hessian_tc_impl(const u16* x, float* H, const int* idx, const int* off, int T, int D,
                                                 float alpha) {
     extern __shared__ __align__(16) u16 hs_smem[];
-    int bi, bj;
-    ht_tile(blockIdx.x, (D + HT_T - 1) / HT_T, bi, bj);
-    const bool diag = bi == bj;
-    const int e = blockIdx.y;
-    int r0 = 0, r1 = T;
-    if (off) { r0 = off[e]; r1 = off[e + 1]; }
-    if (r1 <= r0) return;
-    float* He = H + (i64)e * D * D;
-    const int i0 = bi * HT_T, j0 = bj * HT_T;
+    HtBlock b;
+    if (!ht_block(H, off, T, D, b)) return;
+    const bool diag = b.diag;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
     u16* As = hs_smem;
     u16* Bs = hs_smem + HT_ST * HT_TILE_ELEMS;
-
-    // Stage loader: 32 rows × 16 chunks per operand; thread tid moves chunks tid + 128·it.
     auto load = [&](int step, int stage) {
-        const int t0 = r0 + step * HT_K;
-#pragma unroll
-        for (int it = 0; it < 2; it++) {
-            const int l = tid + HT_THREADS * it, k = l >> 4, ch = l & 15;
-            const int t = t0 + k;
-            const bool row_ok = t < r1;
-            const i64 row = row_ok ? (idx ? (i64)idx[t] : (i64)t) : 0;
-            const int s = stage * HT_TILE_ELEMS + ht_at(k, ch * 8);
-            const bool a_ok = row_ok && i0 + ch * 8 < D;
-            cp_async16(As + s, x + (a_ok ? row * D + i0 + ch * 8 : 0), a_ok ? 16 : 0);
-            if (!diag) {
-                const bool b_ok = row_ok && j0 + ch * 8 < D;
-                cp_async16(Bs + s, x + (b_ok ? row * D + j0 + ch * 8 : 0), b_ok ? 16 : 0);
-            }
-        }
+        const int base = stage * HT_TILE_ELEMS;
+        ht_load(x, idx, D, b, step, As, Bs, [&](int k, int ch) { return base + ht_at(k, ch * 8); });
     };
 
     float acc[4][4][4];
@@ -195,7 +218,7 @@ __device__ __forceinline__ void hessian_tc_impl(const u16* x, float* H, const in
 #pragma unroll
             for (int q = 0; q < 4; q++) acc[a][c][q] = 0.0f;
 
-    const int steps = (r1 - r0 + HT_K - 1) / HT_K;
+    const int steps = (b.r1 - b.r0 + HT_K - 1) / HT_K;
 #pragma unroll
     for (int s = 0; s < HT_ST - 1; s++) {
         if (s < steps) load(s, s);
@@ -246,7 +269,7 @@ __device__ __forceinline__ void hessian_tc_impl(const u16* x, float* H, const in
             for (int c = 0; c < 4; c++)
                 S[(wm + mi * 16 + g + ((c >> 1) << 3)) * HT_SROW + wn + ni * 8 + 2 * t4 + (c & 1)] = acc[mi][ni][c];
     __syncthreads();
-    ht_epilogue(S, He, D, i0, j0, diag, alpha);
+    ht_epilogue(S, b.He, D, b.i0, b.j0, diag, alpha);
 }
 
 #define FORGE_HESS_TC_ENTRY(SUF, BF)                                                                       \
@@ -265,7 +288,7 @@ FORGE_HESS_TC_ENTRY(bf16, true)
 // swizzle the MMA expects: 16-byte chunk c of row k at chunk c ^ (k % 8). Both operands are
 // "MN-major" (features contiguous): descriptor LBO = the step between 64-feature halves,
 // SBO = the step between groups of 8 rows (1024 bytes).
-#define HW_K 32
+#define HW_K HT_K  // ht_load moves HT_K rows a stage
 #define HW_ST 6
 #define HW_HALF (HW_K * 64)           // 16-bit elements of one 64-feature half of a stage
 #define HW_STAGE (2 * HW_HALF)        // one operand of one stage
@@ -297,41 +320,22 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
     extern __shared__ __align__(16) u16 hs_smem[];
     // The swizzle pattern repeats every 1024 bytes from a 1024-byte boundary.
     u16* base = hs_smem + ((1024 - (smem_u32(hs_smem) & 1023)) & 1023) / 2;
-    int bi, bj;
-    ht_tile(blockIdx.x, (D + HT_T - 1) / HT_T, bi, bj);
-    const bool diag = bi == bj;
-    const int e = blockIdx.y;
-    int r0 = 0, r1 = T;
-    if (off) { r0 = off[e]; r1 = off[e + 1]; }
-    if (r1 <= r0) return;
-    float* He = H + (i64)e * D * D;
-    const int i0 = bi * HT_T, j0 = bj * HT_T;
+    HtBlock b;
+    if (!ht_block(H, off, T, D, b)) return;
+    const bool diag = b.diag;
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
     u16* As = base;
     u16* Bs = base + HW_ST * HW_STAGE;
-
     auto load = [&](int step, int stage) {
-        const int t0 = r0 + step * HW_K;
-#pragma unroll
-        for (int it = 0; it < 2; it++) {
-            const int l = tid + 256 * it, k = l >> 4, ch = l & 15;
-            const int t = t0 + k;
-            const bool row_ok = t < r1;
-            const i64 row = row_ok ? (idx ? (i64)idx[t] : (i64)t) : 0;
-            const int s = stage * HW_STAGE + (ch >> 3) * HW_HALF + k * 64 + (((ch ^ k) & 7) << 3);
-            const bool a_ok = row_ok && i0 + ch * 8 < D;
-            cp_async16(As + s, x + (a_ok ? row * D + i0 + ch * 8 : 0), a_ok ? 16 : 0);
-            if (!diag) {
-                const bool b_ok = row_ok && j0 + ch * 8 < D;
-                cp_async16(Bs + s, x + (b_ok ? row * D + j0 + ch * 8 : 0), b_ok ? 16 : 0);
-            }
-        }
+        const int st = stage * HW_STAGE;
+        ht_load(x, idx, D, b, step, As, Bs,
+                [&](int k, int ch) { return st + (ch >> 3) * HW_HALF + k * 64 + (((ch ^ k) & 7) << 3); });
     };
 
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) d[i] = 0.0f;
-    const int steps = (r1 - r0 + HW_K - 1) / HW_K;
+    const int steps = (b.r1 - b.r0 + HW_K - 1) / HW_K;
     // Loads run HW_ST - 2 steps ahead and one step's MMAs stay in flight: the stage a load
     // overwrites was read by the MMAs of two steps before, finished by then.
 #pragma unroll
@@ -368,7 +372,7 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
         for (int c = 0; c < 4; c++)
             S[(wg * 64 + w * 16 + g + ((c >> 1) << 3)) * HT_SROW + j * 8 + 2 * t4 + (c & 1)] = d[4 * j + c];
     __syncthreads();
-    ht_epilogue(S, He, D, i0, j0, diag, alpha);
+    ht_epilogue(S, b.He, D, b.i0, b.j0, diag, alpha);
 #endif
 }
 
