@@ -337,9 +337,10 @@ def bench_hessian(rows):
     (``forge.hessian_update``, upper tiles only) against one cuBLAS ``mm(out_dtype=float32)``
     for o_proj's input (D=16384); per-expert Hessians of a layer's routed tokens in ONE
     ``forge.hessian_update_segmented`` launch (rows read by index, no gathered copy) against a
-    torch loop over experts of gather + ``mm(out_dtype=float32)`` (and the run's previous
-    per-expert :func:`forge.calibrate.gram`). Errors: max |H − H64| / max |H64| against
-    float64 on the largest expert."""
+    torch loop over experts of gather + ``mm(out_dtype=float32)`` (and the run's own per-expert
+    :func:`forge.calibrate.gram` loop); ``gram`` alone against one cuBLAS product at the row
+    counts an expert's chunk has. Errors: max |H − H64| / max |H64| against float64 (the
+    largest expert for the segmented rows)."""
     from forge.calibrate import gram
 
     xd = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)

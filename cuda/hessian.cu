@@ -2,8 +2,10 @@
 // for routed experts: for expert e, the rows idx[off[e] .. off[e+1]) of X go into
 // H_e = H + e·D·D (one launch for every expert: blockIdx.y is the expert).
 //
-// Two kernels, both computing only the tiles on and above the diagonal and mirroring them
+// Three kernels, all computing only the tiles on and above the diagonal and mirroring them
 // (H stays exactly symmetric):
+//  - hessian_wg_<f16|bf16> (Hopper, sm_90a; below, after the shared pieces): the same tiles,
+//    walk, loader and epilogue as hessian_tc, with warpgroup MMAs.
 //  - hessian_tc_<f16|bf16>: tensor cores, for 16-bit inputs with D % 8 == 0 and a 16-byte
 //    aligned X. mma.sync m16n8k16, fp32 accumulate: a product of two 16-bit values is exact
 //    in fp32, so this sums the same exact products as the SIMT kernel, in another order.

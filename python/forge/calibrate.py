@@ -817,11 +817,14 @@ class _RoutedExperts(torch.nn.Module):
             self.gate_up, self.down = self.gate_up.index_select(0, ix), self.down.index_select(0, ix)
         self.n_experts = len(ids)
 
-    def hidden(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``e``'s down-projection input ``act(x Gᵀ) * (x Uᵀ)``: gate and up in one GEMM."""
-        h = F.linear(x, self.gate_up[e])
+    def gated(self, h: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of stacked gate/up outputs ``h (..., 2I)`` (gate columns first)."""
         i = h.shape[-1] // 2
         return self.act(h[..., :i]).mul_(h[..., i:])
+
+    def hidden(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s down-projection input ``act(x Gᵀ) * (x Uᵀ)``: gate and up in one GEMM."""
+        return self.gated(F.linear(x, self.gate_up[e]))
 
     def output(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s output for its tokens ``x``, in float32."""
@@ -888,8 +891,7 @@ class _RoutedExperts(torch.nn.Module):
         order = torch.argsort(flat, stable=True)
         offs = torch.bincount(flat, minlength=n)[:n].cumsum(0).to(torch.int32)
         h = torch._grouped_mm(x.index_select(0, order // k), self.gate_up.transpose(1, 2), offs=offs)
-        i = h.shape[1] // 2
-        a = self.act(h[:, :i]).mul_(h[:, i:]).mul_(wts.reshape(-1).float()[order, None])
+        a = self.gated(h).mul_(wts.reshape(-1).float()[order, None])
         del h
         y = torch._grouped_mm(a, self.down.transpose(1, 2), offs=offs)
         del a

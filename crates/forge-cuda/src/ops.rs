@@ -518,17 +518,16 @@ const GEMM_BK: usize = 32;
 /// Largest shared-memory slice of x the GEMV path stages per block (bytes).
 const GEMV_SMEM: usize = 48 * 1024;
 
-/// GEMV kernel version for M <= 16: 1 (tensor cores, weights prefetched into registers,
-/// three batches in flight; `FORGE_GEMV=1` forces it for every M <= 16) or 3 (SIMT with the zero
-/// point folded out of the inner loop; the default for M = 1 and N >= 8192, where it was
-/// measured faster — 36 vs 42–46 µs at K=7168 N=18432 — while it lost at M=4 and on
-/// N=2048; `FORGE_GEMV=3` forces it for every M <= GEMV3_MAX_M).
-fn gemv_version(m: usize, n: usize) -> usize {
+/// Whether an M <= GEMV3_MAX_M product runs the SIMT GEMV (version 3: zero point folded out of
+/// the inner loop) rather than the tensor-core GEMV (version 1: weights prefetched into
+/// registers, three batches in flight). Version 3 is the default for M = 1 and N >= 8192,
+/// where it was measured faster — 36 vs 42–46 µs at K=7168 N=18432 — while it lost at M=4 and
+/// on N=2048; `FORGE_GEMV=1|3` forces one.
+fn simt_gemv(m: usize, n: usize) -> bool {
     match knobs().gemv {
-        Some(1) => 1,
-        Some(3) if m <= GEMV3_MAX_M => 3,
-        _ if m == 1 && n >= 8192 => 3,
-        _ => 1,
+        Some(1) => false,
+        Some(3) => true,
+        _ => m == 1 && n >= 8192,
     }
 }
 
@@ -628,7 +627,7 @@ fn gemv3_splits(base: usize, slots: usize, k: usize) -> (usize, usize) {
 /// `slots` = resident blocks per SM × SMs (one full wave).
 fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmPlan {
     let tiles = k / GEMM_BK;
-    if m <= GEMV3_MAX_M && gemv_ok && gemv_version(m, n) == 3 {
+    if m <= GEMV3_MAX_M && gemv_ok && simt_gemv(m, n) {
         let (rows, wpl) = gemv3_shape(m);
         let block_n = 8 * 32 * wpl;
         let nblocks = n.div_ceil(block_n);
@@ -647,7 +646,6 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
         };
     }
     if m <= 16 && gemv_ok {
-        let gemv = 1;
         let nblocks = (n / 8).div_ceil(8);
         // Largest K slice that fits the shared-memory budget, in units of 32.
         let kmax = ((GEMV_SMEM / (2 * (m + 1))).saturating_sub(8) / GEMM_BK).max(4);
@@ -662,7 +660,7 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
         let smem = xbytes.max(3 * 32 * 32 * 4);
         return GemmPlan {
             mt: 0,
-            gemv,
+            gemv: 1,
             nblocks,
             mblocks: 1,
             splits,
