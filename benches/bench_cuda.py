@@ -117,18 +117,33 @@ def bench_gemm(rows, bw):
 
 
 def bench_pack(rows, bw):
+    """Fused RTN quantize + AWQ pack: bf16, FP8 without scales, and FP8 with DeepSeek's 128x128
+    ``weight_scale_inv`` read by the kernel; the limit is the bytes moved at copy bandwidth."""
     for k, n in SHAPES:
-        for dt in (torch.bfloat16, torch.float8_e4m3fn):
+        for dt, scaled in (
+            (torch.bfloat16, False),
+            (torch.float8_e4m3fn, False),
+            (torch.float8_e4m3fn, True),
+        ):
             w32 = torch.randn(n, k, device="cuda") * 0.02
+            s = None
+            if scaled:
+                s = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3 + 1e-4
+                w32 = (w32 * 5000).clamp(-440, 440)  # DeepSeek-like: bytes spanning E4M3's range
             w = w32.to(dt)
-            qmeta, _, _ = forge.build_quant_grid(w, G, 4, False, "range")
-            t = graph_time(lambda w=w, qmeta=qmeta: forge.quantize_pack_awq(w, qmeta, G, check_finite=False))
+            qmeta, _, _ = forge.build_quant_grid(w, G, 4, False, "range", scale_inv=s)
+            t = graph_time(
+                lambda w=w, qmeta=qmeta, s=s: forge.quantize_pack_awq(
+                    w, qmeta, G, check_finite=False, scale_inv=s
+                )
+            )
             moved = w.numel() * w.element_size() + qmeta.numel() + k * n // 2 + (k // G) * n * (2 + 0.5)
+            moved += 0 if s is None else s.numel() * 4
             t_copy = graph_time(lambda w=w: w.clone())
             rows.append(
                 dict(
                     op="awq_quant_pack",
-                    shape=f"K={k} N={n} {str(dt)[6:]}",
+                    shape=f"K={k} N={n} {str(dt)[6:]}{' block scales' if scaled else ''}",
                     M="-",
                     peer="d2d copy of W",
                     peer_us=t_copy * 1e6,

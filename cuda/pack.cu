@@ -23,56 +23,133 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
     return ((m >> 24) & 1u) ? (1u << (bits - 1)) : ((m >> 16) & 0xFFu);
 }
 
-// Tile: 256 output rows (n) x 32 inputs (k), 256 threads. Grid (K/32, ceil(N/256)): the
-// k-tiles of the same rows run side by side, so the weight rows stream contiguously.
+// Tile: 256 output rows (n) x QP_BK inputs (k), 256 threads; QP_BK = 128 bytes of a row
+// (fp8 128 inputs, else 64; ops.rs launches ceil(K/QP_BK) x ceil(N/256) blocks, the k-tiles of
+// the same rows side by side, so the weight rows stream contiguously).
+// Phase 1: thread t loads row n0+t's whole tile at once, quantizes it run by run (8 inputs)
+// and keeps each run's 8 codes as one word (nibble j = input 8q+j). Phase 2: thread (octet
+// o = lane, run q = warp + 8i) reads the words of rows 8o..8o+7 for run q, transposes the
+// 8x8 nibbles in registers into the 8 AWQ words of inputs 8q..8q+7, and a warp writes 32
+// consecutive words per input row (128 bytes).
 #define QP_BN 256
-#define QP_BK 32
-#define QP_STRIDE (QP_BN + 8)
+template <int DT> struct QpTile {
+    enum { BK = DT == FORGE_DT_F8E4M3 ? 128 : 64, RUNS = BK / 8 };
+};
+
+// Shared-memory word of row r (0..255), run q (0..R-1), R runs per row: 32 / R rows per
+// 32-word line; the XOR by r/8 gives phase 2's 32 lanes (rows 8o+c, the same c and q) 32
+// different banks.
+template <int R> __device__ __forceinline__ int qp_slot(int r, int q) {
+    return (r / (32 / R)) * 32 + (((r % (32 / R)) * R + q) ^ ((r >> 3) & 31));
+}
+
+// q = clamp(rne(x * inv + z), 0, maxq) as an integer, the codes of quant_code: the unsigned
+// conversion rounds to nearest even and saturates (negative values and -Inf to 0, +Inf to
+// UINT_MAX, NaN to 0, as quant_code's clamp does), leaving one min.
+__device__ __forceinline__ u32 quant_code_u(float x, const GroupParams& p, u32 maxq) {
+    float t = x * p.inv;
+    t = t + p.zero;
+    return min(__float2uint_rn(t), (u32)maxq);
+}
+
+// Transposes the 8x8 nibble matrix a[i] (nibble j = element [i][j]) in place: afterwards
+// a[j]'s nibble i is the former a[i]'s nibble j.
+__device__ __forceinline__ void nibble_transpose8(u32 a[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+        u32 t = ((a[i] >> 4) ^ a[i + 1]) & 0x0F0F0F0Fu;
+        a[i + 1] ^= t;
+        a[i] ^= t << 4;
+    }
+    const int lo2[4] = {0, 1, 4, 5};
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        const int i = lo2[m];
+        u32 t = ((a[i] >> 8) ^ a[i + 2]) & 0x00FF00FFu;
+        a[i + 2] ^= t;
+        a[i] ^= t << 8;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 t = ((a[i] >> 16) ^ a[i + 4]) & 0x0000FFFFu;
+        a[i + 4] ^= t;
+        a[i] ^= t << 16;
+    }
+}
 
 template <int DT>
 __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qmeta, u32* qweight, u32* qzeros,
                                                     u16* scales, int N, int K, int G, int bits, const float* bs,
                                                     int bcols) {
-    __shared__ __align__(16) u8 codes[QP_BK * QP_STRIDE];  // codes[k][n]
+    constexpr int BK = QpTile<DT>::BK, R = QpTile<DT>::RUNS, QUARTERS = BK / 32;
+    __shared__ u32 runs[QP_BN * R];  // [row][run] nibble words, qp_slot layout
     const int tid = threadIdx.x;
     const int n0 = blockIdx.y * QP_BN;
-    const int k0 = blockIdx.x * QP_BK;
+    const int k0 = blockIdx.x * BK;
     const int ng = K / G;
-    const int grp = k0 / G;
-    // Phase 1: quantize, 4 chunks of 8 consecutive k per thread.
-#pragma unroll
-    for (int it = 0; it < 4; it++) {
-        int c = tid + 256 * it;
-        int nl = c >> 2, kc = c & 3;
-        int n = n0 + nl;
+    const u32 maxq = (1u << bits) - 1u;
+    // K and G are multiples of 32: the tile holds `quarters` whole 32-input quarters, and a
+    // group can only start at a quarter.
+    const int quarters = min(QUARTERS, (K - k0) / 32);
+    // Phase 1. The row's loads are issued first, all at once; its grid is decoded while they
+    // are in flight.
+    {
+        const int n = n0 + tid;
         if (n < N) {
-            float v[8];
-            load8<DT>(w, (i64)n * K + k0 + 8 * kc, v);
-            if (bs != nullptr) {  // 8 consecutive k (k % 8 == 0) share one 128-wide block
-                const float sc = block_scale(bs, bcols, n, k0 + 8 * kc);
+            constexpr int VEC = BK * ElemBytes<DT>::v / 16;  // 16-byte words: 8 (16 for f32)
+            const uint4* src = (const uint4*)((const u8*)w + ((i64)n * K + k0) * ElemBytes<DT>::v);
+            uint4 raw[VEC];
 #pragma unroll
-                for (int j = 0; j < 8; j++) v[j] = v[j] * sc;
+            for (int i = 0; i < VEC; i++)
+                if (i / (VEC / QUARTERS) < quarters) raw[i] = src[i];
+            const u32* qm = qmeta + (i64)n * ng;
+            GroupParams p[QUARTERS];
+#pragma unroll
+            for (int h = 0; h < QUARTERS; h++) {
+                const int k = k0 + 32 * h;
+                if (h == 0 || (h < quarters && k % G == 0)) p[h] = qmeta_params(qm[k / G], bits);
+                else p[h] = p[h - 1];
             }
-            GroupParams p = qmeta_params(qmeta[(i64)n * ng + grp], bits);
+            // k0 is a multiple of BK, which divides 128: one 128-wide block scale per tile.
+            const float sc = bs != nullptr ? block_scale(bs, bcols, n, k0) : 1.0f;
 #pragma unroll
-            for (int j = 0; j < 8; j++) codes[(8 * kc + j) * QP_STRIDE + nl] = (u8)quant_code(v[j], p);
+            for (int q = 0; q < R; q++) {
+                if (q / 4 < quarters) {
+                    float v[8];
+                    decode_run<DT>(raw, q, v);
+                    u32 word = 0;
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        const float x = bs != nullptr ? v[j] * sc : v[j];
+                        word += quant_code_u(x, p[q / 4], maxq) << (4 * j);  // codes <= 15: + is |
+                    }
+                    runs[qp_slot<R>(tid, q)] = word;
+                }
+            }
         }
     }
     __syncthreads();
-    // Phase 2: pack, 4 words per thread: row k (32 rows) x word column (32 columns).
+    // Phase 2: AWQ word i of an input row holds column ORDER[i] = {0,2,4,6,1,3,5,7}.
     const int NW = N / 8;
+    const int o = tid & 31;
+    const int gwc = n0 / 8 + o;
 #pragma unroll
-    for (int it = 0; it < 4; it++) {
-        int idx = tid + 256 * it;
-        int wc = idx & 31, kl = idx >> 5;
-        int gwc = n0 / 8 + wc;
-        if (gwc < NW) {
-            u64 b = *(const u64*)(codes + kl * QP_STRIDE + 8 * wc);
-            qweight[(i64)(k0 + kl) * NW + gwc] = awq_word_u64(b);
+    for (int i = 0; i < R / 8; i++) {
+        const int q = (tid >> 5) + 8 * i;
+        const int k = k0 + 8 * q;
+        if (gwc < NW && q / 4 < quarters) {
+            const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+            u32 a[8];
+#pragma unroll
+            for (int c = 0; c < 8; c++) a[c] = runs[qp_slot<R>(8 * o + order[c], q)];
+            nibble_transpose8(a);
+#pragma unroll
+            for (int j = 0; j < 8; j++) qweight[(i64)(k + j) * NW + gwc] = a[j];
         }
     }
-    // Group metadata once per group (the tile whose k0 starts the group).
-    if (k0 % G == 0) {
+    // Group metadata once per group, by the tile that holds the group's first input.
+    for (int kg = (k0 + G - 1) / G * G; kg < k0 + 32 * quarters; kg += G) {
+        const int grp = kg / G;
         int n = n0 + tid;
         if (n < N) scales[(i64)grp * N + n] = f32_to_f16_rn(decode_scale((int)(short)(qmeta[(i64)n * ng + grp] & 0xFFFFu)));
         if (tid < 32) {

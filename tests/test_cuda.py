@@ -65,12 +65,34 @@ def test_mse_grids_on_concurrent_streams_are_independent():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k,n,group", [(256, 64, 128), (512, 136, 64), (7168 // 4, 256, 128)])
+@pytest.mark.parametrize(
+    "k,n,group",
+    # 480 / 96: groups that start inside the kernel's 64-input tiles and a half last tile;
+    # 160 / 32: two groups per tile and a half last tile; 264 rows: a partial row tile
+    [(256, 64, 128), (512, 136, 64), (7168 // 4, 256, 128), (480, 264, 96), (160, 40, 32)],
+)
 def test_quantize_pack_bit_exact(dtype, k, n, group):
     w = adversarial(n, k, dtype, seed=1)
     qmeta, _, _ = forge.build_quant_grid(w, group, 4, False, "range")
     cpu = forge.quantize_pack_awq(w, qmeta, group)
     gpu = forge.quantize_pack_awq(w.cuda(), qmeta.cuda(), group)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.parametrize("k,n,group", [(640, 296, 128), (480, 264, 96), (2048, 512, 32)])
+def test_block_scaled_fp8_bit_exact(k, n, group):
+    """FP8 bytes and DeepSeek block scales read by the grid and pack kernels as stored: the
+    same qmeta and packed tensors as the CPU (which dequantizes first)."""
+    g = torch.Generator().manual_seed(5)
+    w8 = adversarial(n, k, torch.float8_e4m3fn, seed=4)
+    s = 10 ** (torch.rand(-(-n // 128), -(-k // 128), generator=g) * 4 - 3)
+    for mode in ("range", "mse"):
+        cpu = forge.build_quant_grid(w8, group, 4, False, mode, scale_inv=s)[0]
+        gpu = forge.build_quant_grid(w8.cuda(), group, 4, False, mode, scale_inv=s.cuda())[0]
+        assert torch.equal(gpu.cpu(), cpu)
+    cpu = forge.quantize_pack_awq(w8, qmeta := cpu, group, scale_inv=s)
+    gpu = forge.quantize_pack_awq(w8.cuda(), qmeta.cuda(), group, scale_inv=s.cuda())
     for a, b in zip(cpu, gpu, strict=True):
         assert torch.equal(a, b.cpu())
 

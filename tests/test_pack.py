@@ -190,6 +190,48 @@ def test_quantize_pack_awq_equals_rtn_then_pack(dtype, symmetric, gen):
     assert fused[0].tolist() == loop_pack_awq_rows(ref_rtn_codes(w.float(), qmeta, 4, g).T.long().tolist())
 
 
+def _fp8_with_block_scales(
+    n: int, k: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An FP8 weight, DeepSeek-style block scales (partial edge blocks) and the f32 weight
+    they stand for, computed here element by element from the definition."""
+    w8 = (torch.randn(n, k, generator=gen) * 40).clamp(-440, 440).to(torch.float8_e4m3fn)
+    s = 10 ** (torch.rand(-(-n // 128), -(-k // 128), generator=gen) * 4 - 3)
+    rows = torch.arange(n)[:, None] // 128
+    cols = torch.arange(k)[None, :] // 128
+    return w8, s, w8.float() * s[rows, cols]
+
+
+@pytest.mark.parametrize("group,k", [(32, 320), (128, 384)])  # 320: a partial column block
+def test_block_scaled_fp8_grid_and_pack_equal_the_dequantized_weight(group, k, gen):
+    """``scale_inv`` makes an FP8 weight ``e4m3 · scale[r // 128, c // 128]``: the grid (range
+    and MSE) and the fused pack equal those of that f32 weight, and the codes are its
+    plain-PyTorch RTN codes."""
+    n = 264  # three row blocks, the last one partial
+    w8, s, w = _fp8_with_block_scales(n, k, gen)
+    for mode in ("range", "mse"):
+        got = forge.build_quant_grid(w8, group, 4, False, mode, scale_inv=s)[0]
+        assert torch.equal(got, forge.build_quant_grid(w, group, 4, False, mode)[0])
+    qmeta = forge.build_quant_grid(w, group, 4, False, "range")[0]
+    packed = forge.quantize_pack_awq(w8, qmeta, group, scale_inv=s)
+    for a, b in zip(packed, forge.quantize_pack_awq(w, qmeta, group), strict=True):
+        assert torch.equal(a, b)
+    assert packed[0].tolist() == loop_pack_awq_rows(ref_rtn_codes(w, qmeta, 4, group).T.long().tolist())
+
+
+def test_block_scales_are_checked(gen):
+    from forge.errors import DTypeError, ShapeError
+
+    w8, s, w = _fp8_with_block_scales(136, 256, gen)
+    qmeta = forge.build_quant_grid(w, 128, 4, False, "range")[0]
+    with pytest.raises(DTypeError, match="scale_inv.*float8_e4m3fn weight"):
+        forge.quantize_pack_awq(w, qmeta, 128, scale_inv=s)
+    with pytest.raises(ShapeError, match=r"scale_inv: expected shape \[2, 2\]"):
+        forge.build_quant_grid(w8, 128, scale_inv=s[:1])
+    with pytest.raises(DTypeError, match="scale_inv: expected dtype torch.float32"):
+        forge.quantize_pack_awq(w8, qmeta, 128, scale_inv=s.half())
+
+
 def test_rtn_round_half_even():
     # x / s + z lands exactly on .5: ties go to the even code
     qmeta = forge.encode_qmeta(torch.full((8, 1), 1.0), torch.full((8, 1), 8, dtype=torch.uint8), False)

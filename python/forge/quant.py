@@ -73,6 +73,7 @@ def build_quant_grid(
     quant_max_shrink: float = 0.2,
     quant_n_grid: int = 100,
     quant_norm: float = 2.4,
+    scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, int]:
     """Group metadata of a ``(rows, cols)`` weight (fp32, fp16, bf16 or float8_e4m3fn).
 
@@ -81,10 +82,15 @@ def build_quant_grid(
     ``[1 - quant_max_shrink, 1 + quant_max_shrink]`` for the smallest ``sum |e|^quant_norm``.
     Rows of any length are padded with zeros to a multiple of ``group_size``.
 
+    ``scale_inv`` (float32 ``(ceil(rows/128), ceil(cols/128))``, an FP8 weight's
+    ``weight_scale_inv``) makes the weight ``e4m3 · scale_inv[r // 128, c // 128]``: the
+    CUDA kernels read the FP8 bytes and scales as stored, the CPU dequantizes first; the
+    grids are the same.
+
     Returns ``(qmeta (rows, ceil(cols/group_size), 4) uint8, maxq = 2**bits - 1, pad)``.
     """
     return _native.build_quant_grid(
-        weight, group_size, bits, symmetric, mode, quant_max_shrink, quant_n_grid, quant_norm
+        weight, group_size, bits, symmetric, mode, quant_max_shrink, quant_n_grid, quant_norm, scale_inv
     )
 
 
@@ -439,14 +445,19 @@ def pack_awq(
 
 
 def quantize_pack_awq(
-    weight: torch.Tensor, qmeta: torch.Tensor, group_size: int = 128, check_finite: bool = True
+    weight: torch.Tensor,
+    qmeta: torch.Tensor,
+    group_size: int = 128,
+    check_finite: bool = True,
+    scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest quantize ``weight (N, K)`` on its grid and pack to AWQ in one pass.
 
     ``check_finite=False`` skips the NaN/Inf pass over a CUDA weight (one extra read) when
-    the grid was built from the same weight, which already checked it.
+    the grid was built from the same weight, which already checked it. ``scale_inv``: an FP8
+    weight's block scales, as for :func:`build_quant_grid`.
     """
-    return _native.quantize_pack_awq(weight, qmeta, group_size, check_finite)
+    return _native.quantize_pack_awq(weight, qmeta, group_size, check_finite, scale_inv)
 
 
 def unpack_awq(

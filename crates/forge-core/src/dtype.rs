@@ -51,6 +51,59 @@ const fn build_e4m3_table() -> [f32; 256] {
 /// Exact value of every fp8 E4M3 byte.
 pub static E4M3_TABLE: [f32; 256] = build_e4m3_table();
 
+/// `w [n, k]` (E4M3 bytes) times its block scales `scales [ceil(n/128), ceil(k/128)]` as f32,
+/// row-major: `w[r, c] = e4m3(byte) · scales[r / FP8_BLOCK, c / FP8_BLOCK]`, one f32 multiply
+/// (the value the CUDA kernels compute from the same bytes and scales). Rows in parallel.
+///
+/// # Panics
+/// Never for slices of the stated lengths; checked and reported as shape errors.
+pub fn dequantize_fp8_blocks(
+    w: &[u8],
+    scales: &[f32],
+    n: usize,
+    k: usize,
+) -> crate::Result<Vec<f32>> {
+    use rayon::prelude::*;
+    let kb = k.div_ceil(FP8_BLOCK);
+    if w.len() != n * k {
+        return Err(crate::Error::shape(
+            "weight",
+            format!("{n} x {k} bytes"),
+            w.len(),
+        ));
+    }
+    if scales.len() != n.div_ceil(FP8_BLOCK) * kb {
+        return Err(crate::Error::shape(
+            "scale_inv",
+            format!(
+                "[{}, {kb}] for a {n} x {k} weight in {FP8_BLOCK}x{FP8_BLOCK} blocks",
+                n.div_ceil(FP8_BLOCK)
+            ),
+            scales.len(),
+        ));
+    }
+    let mut out = vec![0.0f32; n * k];
+    if k == 0 {
+        return Ok(out);
+    }
+    out.par_chunks_mut(k)
+        .zip(w.par_chunks(k))
+        .enumerate()
+        .for_each(|(r, (row, src))| {
+            let srow = &scales[r / FP8_BLOCK * kb..(r / FP8_BLOCK + 1) * kb];
+            for ((o, b), &sc) in row
+                .chunks_mut(FP8_BLOCK)
+                .zip(src.chunks(FP8_BLOCK))
+                .zip(srow)
+            {
+                for (o, &b) in o.iter_mut().zip(b) {
+                    *o = E4M3_TABLE[usize::from(b)] * sc;
+                }
+            }
+        });
+    Ok(out)
+}
+
 /// An element type the quantizers accept. Conversion to f32 is exact for all of them.
 pub trait Element: Copy + Send + Sync + 'static {
     /// Short name used in error messages (`"bf16"`).
@@ -130,6 +183,23 @@ pub fn check_finite<T: Element>(name: &str, x: &[T]) -> crate::Result<()> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fp8_blocks_dequantize_per_block_and_check_shapes() {
+        // 130 x 260: two row blocks and three column blocks, the last ones partial.
+        let (n, k) = (130usize, 260usize);
+        let w: Vec<u8> = (0..n * k).map(|i| (i * 37 % 251) as u8 & 0x7E).collect();
+        let scales: Vec<f32> = (0..6).map(|i| 0.5 + i as f32).collect();
+        let got = dequantize_fp8_blocks(&w, &scales, n, k).unwrap();
+        for r in 0..n {
+            for c in 0..k {
+                let want = E4M3_TABLE[w[r * k + c] as usize] * scales[(r / 128) * 3 + c / 128];
+                assert_eq!(got[r * k + c].to_bits(), want.to_bits(), "[{r}, {c}]");
+            }
+        }
+        assert!(dequantize_fp8_blocks(&w, &scales[..5], n, k).is_err());
+        assert!(dequantize_fp8_blocks(&w[1..], &scales, n, k).is_err());
+    }
     #[test]
     fn e4m3_known_values() {
         assert_eq!(E4M3_TABLE[0x00], 0.0);

@@ -249,13 +249,28 @@ fn assert_quantize_pack(a: &ops::QuantizePack, want: &forge_core::pack::AwqTenso
 #[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
 fn awq_quantize_pack_bit_exact() {
     assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
-    for (g, sym) in [(128usize, false), (128, true), (32, false), (64, true)] {
+    // 96: groups starting inside the kernel's 64-input tiles; k = 160 and 480: a half last
+    // tile; 520 and 264 rows: a partial row tile.
+    for (g, sym) in [
+        (128usize, false),
+        (128, true),
+        (32, false),
+        (64, true),
+        (96, false),
+    ] {
         let spec = GridSpec {
             bits: 4,
             group_size: g,
             symmetric: sym,
         };
-        for (n, k) in [(256, 256), (40, 512), (520, 384), (8, 128)] {
+        for (n, k) in [
+            (256, 256),
+            (40, 512),
+            (520, 384),
+            (8, 128),
+            (40, 160),
+            (264, 480),
+        ] {
             if k % g != 0 {
                 continue;
             }

@@ -5,10 +5,9 @@ use std::fs::File;
 use std::path::{Component, Path, PathBuf};
 
 use memmap2::Mmap;
-use rayon::prelude::*;
 use serde::Deserialize;
 
-use crate::dtype::{decode_into, E4M3_TO_F32};
+use crate::dtype::decode_into;
 use crate::header::{self, Entries};
 use crate::{Dtype, Error, Result, INDEX_FILE};
 
@@ -413,30 +412,16 @@ impl Checkpoint {
             return w.to_f32();
         }
         let (s, [n, k]) = self.fp8_scale(name)?;
-        let expected = [n.div_ceil(FP8_BLOCK), k.div_ceil(FP8_BLOCK)];
-        let scales = s.to_f32()?;
-        let kb = expected[1];
-        let mut out = vec![0.0f32; w.numel()];
-        if k == 0 {
-            return Ok(out);
-        }
-        out.par_chunks_mut(k)
-            .zip(w.bytes.par_chunks(k))
-            .enumerate()
-            .for_each(|(r, (row, src))| {
-                // In range: the scale shape was checked against [n, k].
-                let srow = scales.get(r / FP8_BLOCK * kb..).unwrap_or_default();
-                for ((o, b), &sc) in row
-                    .chunks_mut(FP8_BLOCK)
-                    .zip(src.chunks(FP8_BLOCK))
-                    .zip(srow)
-                {
-                    for (o, &b) in o.iter_mut().zip(b) {
-                        *o = E4M3_TO_F32[usize::from(b)] * sc;
-                    }
-                }
-            });
-        Ok(out)
+        // fp8_scale checked the scale's shape against [n, k]; a mismatch is reported anyway.
+        forge_core::dtype::dequantize_fp8_blocks(w.bytes, &s.to_f32()?, n, k).map_err(|e| {
+            Error::Fp8Scale {
+                file: w.file.into(),
+                weight: name.into(),
+                scale: format!("{name}_scale_inv"),
+                expected: "a scale and weight of matching shapes".into(),
+                actual: e.to_string(),
+            }
+        })
     }
 
     /// The prefix before `layers.<i>.` of the decoder stack (e.g. `model.` or

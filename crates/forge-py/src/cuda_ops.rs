@@ -44,9 +44,11 @@ fn cu_dtype(t: &Tensor<'_>) -> cu::DType {
     }
 }
 
-/// Range (and MSE) grid of a CUDA weight `(rows, cols)`.
+/// Range (and MSE) grid of a CUDA weight `(rows, cols)`, FP8 with its checked block scales if
+/// given.
 pub fn build_quant_grid<'py>(
     w: &Tensor<'py>,
+    block_scale: Option<&Tensor<'py>>,
     spec: &GridSpec,
     mode: GridMode,
 ) -> PyResult<Bound<'py, PyAny>> {
@@ -61,7 +63,7 @@ pub fn build_quant_grid<'py>(
         cols,
         spec: *spec,
         qmeta: ptr,
-        block_scale: 0,
+        block_scale: block_scale.map_or(0, |b| b.ptr as u64),
     };
     let s = stream_of(w)?;
     // SAFETY: pointers from live CUDA tensors of the checked shapes and dtypes.
@@ -95,10 +97,12 @@ fn awq_outputs<'py>(
     Ok(((qw, qz, sc), ptrs))
 }
 
-/// Fused quantize + AWQ pack of a CUDA weight `(N, K)`.
+/// Fused quantize + AWQ pack of a CUDA weight `(N, K)`, FP8 with its checked block scales if
+/// given.
 pub fn quantize_pack_awq<'py>(
     w: &Tensor<'py>,
     qmeta: &Tensor<'py>,
+    block_scale: Option<&Tensor<'py>>,
     spec: &GridSpec,
 ) -> PyResult<Three<'py>> {
     let py = w.obj.py();
@@ -112,7 +116,7 @@ pub fn quantize_pack_awq<'py>(
         k,
         qmeta: qmeta.ptr as u64,
         spec: *spec,
-        block_scale: 0,
+        block_scale: block_scale.map_or(0, |b| b.ptr as u64),
     };
     let s = stream_of(w)?;
     // SAFETY: live CUDA tensors of checked shapes.

@@ -89,9 +89,51 @@ fn weight_2d<'py>(name: &'static str, obj: &Bound<'py, PyAny>) -> PyResult<Tenso
     Ok(t)
 }
 
+/// The optional `scale_inv` of an FP8 `weight (N, K)` (DeepSeek's `weight_scale_inv`):
+/// float32 `(ceil(N/128), ceil(K/128))` on the weight's device, element `[r, c]` of the weight
+/// being `e4m3(byte) · scale_inv[r / 128, c / 128]`.
+fn block_scales<'py>(
+    scale_inv: Option<&Bound<'py, PyAny>>,
+    w: &Tensor<'py>,
+) -> PyResult<Option<Tensor<'py>>> {
+    let Some(obj) = scale_inv else {
+        return Ok(None);
+    };
+    let s = Tensor::extract("scale_inv", obj)?;
+    if w.dtype != DType::F8E4M3 {
+        return Err(raise(
+            w.obj.py(),
+            "DTypeError",
+            format!(
+                "scale_inv: block scales apply to a torch.float8_e4m3fn weight, got torch.{}",
+                w.dtype.torch_name()
+            ),
+        ));
+    }
+    s.require_same_device(w)?;
+    s.require_dtype(&[DType::F32])?;
+    let b = forge_core::dtype::FP8_BLOCK;
+    s.require_shape(
+        &[w.shape[0].div_ceil(b), w.shape[1].div_ceil(b)],
+        "(ceil(N/128), ceil(K/128)) for weight (N, K)",
+    )?;
+    Ok(Some(s))
+}
+
+/// The f32 values of a CPU FP8 weight with its block scales.
+fn dequantized_cpu(py: Python<'_>, w: &Tensor<'_>, s: &Tensor<'_>) -> PyResult<Vec<f32>> {
+    // SAFETY: CPU tensors whose dtypes (u8-sized fp8, f32) block_scales checked.
+    let (bytes, scales) = unsafe { (w.slice::<u8>(), s.slice::<f32>()) };
+    let (n, k) = (w.shape[0], w.shape[1]);
+    detach_guarded(py, "dequantize_fp8_blocks", || {
+        forge_core::dtype::dequantize_fp8_blocks(bytes, scales, n, k)
+    })?
+    .map_err(|e| core_err(py, e))
+}
+
 /// Range or MSE grid of a `(rows, cols)` weight: `(qmeta (rows, G, 4) uint8, maxq, pad)`.
 #[pyfunction]
-#[pyo3(signature = (weight, group_size, bits, symmetric, mode, quant_max_shrink, quant_n_grid, quant_norm))]
+#[pyo3(signature = (weight, group_size, bits, symmetric, mode, quant_max_shrink, quant_n_grid, quant_norm, scale_inv=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn build_quant_grid<'py>(
     py: Python<'py>,
@@ -103,6 +145,7 @@ pub fn build_quant_grid<'py>(
     quant_max_shrink: f32,
     quant_n_grid: i64,
     quant_norm: f32,
+    scale_inv: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyAny>, u32, usize)> {
     let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let w = weight_2d("weight", weight)?;
@@ -127,6 +170,7 @@ pub fn build_quant_grid<'py>(
         }
     };
     let (rows, cols) = (w.shape[0], w.shape[1]);
+    let bs = block_scales(scale_inv, &w)?;
     if w.is_cuda() {
         if rows == 0 || cols == 0 {
             return Err(raise(
@@ -135,12 +179,20 @@ pub fn build_quant_grid<'py>(
                 format!("weight: expected a non-empty 2-D tensor, got {:?}", w.shape),
             ));
         }
-        let t = cuda_ops::build_quant_grid(&w, &s, gm)?;
+        let t = cuda_ops::build_quant_grid(&w, bs.as_ref(), &s, gm)?;
         return Ok((t, s.maxq(), s.pad(cols)));
     }
-    let r = with_elements!(w, |x| detach_guarded(py, "build_quant_grid", || {
-        grid::build_quant_grid(x, rows, cols, &s, gm)
-    })?);
+    let r = match &bs {
+        Some(b) => {
+            let x = dequantized_cpu(py, &w, b)?;
+            detach_guarded(py, "build_quant_grid", || {
+                grid::build_quant_grid(&x, rows, cols, &s, gm)
+            })?
+        }
+        None => with_elements!(w, |x| detach_guarded(py, "build_quant_grid", || {
+            grid::build_quant_grid(x, rows, cols, &s, gm)
+        })?),
+    };
     let (q, maxq, pad) = r.map_err(|e| core_err(py, e))?;
     let t = from_vec(py, &qmeta_bytes(&q), &[rows, s.groups(cols), 4], DType::U8)?;
     Ok((t, maxq, pad))
@@ -408,28 +460,38 @@ pub fn pack_awq<'py>(
 /// `check_finite=False` skips the NaN/Inf pass over a CUDA weight (for callers that built
 /// the grid from the same weight, which checks it); CPU weights are always checked.
 #[pyfunction]
-#[pyo3(signature = (weight, qmeta, group_size, check_finite=true))]
+#[pyo3(signature = (weight, qmeta, group_size, check_finite=true, scale_inv=None))]
 pub fn quantize_pack_awq<'py>(
     py: Python<'py>,
     weight: &Bound<'py, PyAny>,
     qmeta: &Bound<'py, PyAny>,
     group_size: i64,
     check_finite: bool,
+    scale_inv: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Three<'py>> {
     let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let w = weight_2d("weight", weight)?;
     let (n, k) = (w.shape[0], w.shape[1]);
+    let bs = block_scales(scale_inv, &w)?;
     if w.is_cuda() {
         let (s, q) = pack_spec_cuda(py, qmeta, &w, k, n, group_size)?;
         if check_finite {
             w.require_finite_cuda()?;
         }
-        return cuda_ops::quantize_pack_awq(&w, &q, &s);
+        return cuda_ops::quantize_pack_awq(&w, &q, bs.as_ref(), &s);
     }
     let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
-    let r = with_elements!(w, |x| detach_guarded(py, "quantize_pack_awq", || {
-        pack::quantize_pack_awq(x, &qm, n, k, &s)
-    })?);
+    let r = match &bs {
+        Some(b) => {
+            let x = dequantized_cpu(py, &w, b)?;
+            detach_guarded(py, "quantize_pack_awq", || {
+                pack::quantize_pack_awq(&x, &qm, n, k, &s)
+            })?
+        }
+        None => with_elements!(w, |x| detach_guarded(py, "quantize_pack_awq", || {
+            pack::quantize_pack_awq(x, &qm, n, k, &s)
+        })?),
+    };
     let a = r.map_err(|e| core_err(py, e))?;
     awq_out(py, a, k, n, group_size)
 }
