@@ -98,22 +98,18 @@ def bench_gemm(rows, bw):
             t_ours = graph_time(lambda x=x: forge.awq_matmul(x, qw, qz, sc, G))
             ref = x.float() @ forge.dequantize_awq(qw, qz, sc, G).t()
             err = float((forge.awq_matmul(x, qw, qz, sc, G).float() - ref).abs().max() / ref.abs().max())
-            rows.append(
-                dict(
-                    op="w4a16_gemm",
-                    shape=f"K={k} N={n}",
-                    M=m,
-                    peer="bf16 cuBLAS",
-                    peer_us=t_bf16 * 1e6,
-                    ours_us=t_ours * 1e6,
-                    ratio=t_bf16 / t_ours,
-                    limit_pct=100 * limit / t_ours,
-                    vs_tinygemm=t_tiny / t_ours,
-                    tinygemm_us=t_tiny * 1e6,
-                    rel_err=err,
-                )
+            rows.add(
+                "w4a16_gemm",
+                f"K={k} N={n}",
+                "bf16 cuBLAS",
+                t_bf16,
+                t_ours,
+                M=m,
+                limit_pct=100 * limit / t_ours,
+                vs_tinygemm=t_tiny / t_ours,
+                tinygemm_us=t_tiny * 1e6,
+                rel_err=err,
             )
-            print_row(rows[-1])
 
 
 def bench_pack(rows, bw):
@@ -140,19 +136,14 @@ def bench_pack(rows, bw):
             moved = w.numel() * w.element_size() + qmeta.numel() + k * n // 2 + (k // G) * n * (2 + 0.5)
             moved += 0 if s is None else s.numel() * 4
             t_copy = graph_time(lambda w=w: w.clone())
-            rows.append(
-                dict(
-                    op="awq_quant_pack",
-                    shape=f"K={k} N={n} {str(dt)[6:]}{' block scales' if scaled else ''}",
-                    M="-",
-                    peer="d2d copy of W",
-                    peer_us=t_copy * 1e6,
-                    ours_us=t * 1e6,
-                    ratio=t_copy / t,
-                    limit_pct=100 * moved / t / bw,
-                )
+            rows.add(
+                "awq_quant_pack",
+                f"K={k} N={n} {str(dt)[6:]}{' block scales' if scaled else ''}",
+                "d2d copy of W",
+                t_copy,
+                t,
+                limit_pct=100 * moved / t / bw,
             )
-            print_row(rows[-1])
 
 
 def bench_mse(rows):
@@ -179,18 +170,13 @@ def bench_mse(rows):
 
         t_peer = cuda_time(peer, reps=3, warmup=1)
         t_ours = cuda_time(lambda w=w: forge.build_quant_grid(w, G, 4, False, "mse"), reps=5)
-        rows.append(
-            dict(
-                op="mse_grid",
-                shape=f"K={k} N={n}",
-                M="-",
-                peer="torch vectorised",
-                peer_us=t_peer * 1e6,
-                ours_us=t_ours * 1e6,
-                ratio=t_peer / t_ours,
-            )
+        rows.add(
+            "mse_grid",
+            f"K={k} N={n}",
+            "torch vectorised",
+            t_peer,
+            t_ours,
         )
-        print_row(rows[-1])
 
 
 def gptq_reference_bmm(w, hinv, scale, zero, block=128):
@@ -257,21 +243,16 @@ def bench_gptq(rows, batch):
             diff = float((deq.transpose(1, 2) - ref).abs().max() / sc.max())
             flops = 2 * n * k * k * e
             label = "fasterquant loop" if e == 1 else f"bmm loop, {e} experts"
-            rows.append(
-                dict(
-                    op="gptq",
-                    shape=f"{n}x{k} x{e}",
-                    M="-",
-                    peer=label,
-                    peer_us=t_peer * 1e6,
-                    ours_us=t_ours * 1e6,
-                    ratio=t_peer / t_ours,
-                    per_matrix_ms=t_ours * 1e3 / e,
-                    tflops=flops / t_ours / 1e12,
-                    max_diff_in_scales=diff,
-                )
+            rows.add(
+                "gptq",
+                f"{n}x{k} x{e}",
+                label,
+                t_peer,
+                t_ours,
+                per_matrix_ms=t_ours * 1e3 / e,
+                tflops=flops / t_ours / 1e12,
+                max_diff_in_scales=diff,
             )
-            print_row(rows[-1])
             del w, u, qm, wt
 
 
@@ -328,23 +309,18 @@ def bench_prep(rows, batch):
         res_peer = inverse_residual(up[0], h[0], damp[0])
         del up, h
         torch.cuda.empty_cache()
-        rows.append(
-            dict(
-                op="prepare_hessian",
-                shape=f"K={k} x{e}",
-                M="-",
-                peer="chol+inverse+chol",
-                peer_us=t_peer * 1e6,
-                ours_us=t_ours * 1e6,
-                ratio=t_peer / t_ours,
-                per_matrix_ms=t_ours * 1e3 / e,
-                extra_mem_x_hessians=m_ours / hbytes,
-                peer_extra_mem_x_hessians=m_peer / hbytes,
-                inverse_residual=res_ours,
-                peer_inverse_residual=res_peer,
-            )
+        rows.add(
+            "prepare_hessian",
+            f"K={k} x{e}",
+            "chol+inverse+chol",
+            t_peer,
+            t_ours,
+            per_matrix_ms=t_ours * 1e3 / e,
+            extra_mem_x_hessians=m_ours / hbytes,
+            peer_extra_mem_x_hessians=m_peer / hbytes,
+            inverse_residual=res_ours,
+            peer_inverse_residual=res_peer,
         )
-        print_row(rows[-1])
 
 
 def bench_hessian(rows):
@@ -380,23 +356,18 @@ def bench_hessian(rows):
         / ref.abs().max()
     )
     flops = 2 * 16384**3
-    rows.append(
-        dict(
-            op="hessian_dense",
-            shape="D=16384 T=16384",
-            M="-",
-            peer="cuBLAS mm fp32 out",
-            peer_us=t_peer * 1e6,
-            ours_us=t_ours * 1e6,
-            ratio=t_peer / t_ours,
-            gram_us=t_gram * 1e6,
-            simt_f32_us=t_simt * 1e6,
-            tflops=flops / t_ours / 1e12,
-            rel_err_vs_f64=err,
-            peer_rel_err_vs_f64=err_peer,
-        )
+    rows.add(
+        "hessian_dense",
+        "D=16384 T=16384",
+        "cuBLAS mm fp32 out",
+        t_peer,
+        t_ours,
+        gram_us=t_gram * 1e6,
+        simt_f32_us=t_simt * 1e6,
+        tflops=flops / t_ours / 1e12,
+        rel_err_vs_f64=err,
+        peer_rel_err_vs_f64=err_peer,
     )
-    print_row(rows[-1])
     del xd, hd
     # The run's per-chunk Hessian: gram (one product, or the upper row panels from
     # SYMMETRIC_ROWS rows) against one cuBLAS product, over the row counts an expert sees.
@@ -408,19 +379,14 @@ def bench_hessian(rows):
             t_ours = cuda_time(lambda x=x: gram(x), reps=5)
             ref = x[:, :256].double().T @ x[:, :256].double()
             err = float((gram(x)[:256, :256].double() - ref).abs().max() / ref.abs().max())
-            rows.append(
-                dict(
-                    op="hessian_gram",
-                    shape=f"D={d} T={t}",
-                    M="-",
-                    peer="cuBLAS mm fp32 out",
-                    peer_us=t_peer * 1e6,
-                    ours_us=t_ours * 1e6,
-                    ratio=t_peer / t_ours,
-                    rel_err_vs_f64=err,
-                )
+            rows.add(
+                "hessian_gram",
+                f"D={d} T={t}",
+                "cuBLAS mm fp32 out",
+                t_peer,
+                t_ours,
+                rel_err_vs_f64=err,
             )
-            print_row(rows[-1])
             del x
     for e, top_k, t, d in ((64, 8, 32768, 7168), (64, 8, 131072, 7168), (256, 8, 65536, 2048)):
         torch.cuda.empty_cache()
@@ -461,22 +427,17 @@ def bench_hessian(rows):
         err_peer = float(
             (torch.mm(xe.t(), xe, out_dtype=torch.float32).double() - ref).abs().max() / ref.abs().max()
         )
-        rows.append(
-            dict(
-                op="hessian_experts",
-                shape=f"D={d} {e} experts, {t}x{top_k} rows",
-                M="-",
-                peer="gather + torch mm loop",
-                peer_us=t_peer * 1e6,
-                ours_us=t_ours * 1e6,
-                ratio=t_peer / t_ours,
-                gram_loop_us=t_gram * 1e6,
-                tflops=2 * t * top_k * d * d / t_ours / 1e12,
-                rel_err_vs_f64=err,
-                peer_rel_err_vs_f64=err_peer,
-            )
+        rows.add(
+            "hessian_experts",
+            f"D={d} {e} experts, {t}x{top_k} rows",
+            "gather + torch mm loop",
+            t_peer,
+            t_ours,
+            gram_loop_us=t_gram * 1e6,
+            tflops=2 * t * top_k * d * d / t_ours / 1e12,
+            rel_err_vs_f64=err,
+            peer_rel_err_vs_f64=err_peer,
         )
-        print_row(rows[-1])
         del x, h
 
 
@@ -549,6 +510,22 @@ class Rows(list):
         if self.path:
             with open(self.path, "w") as f:
                 json.dump(dict(self.head, rows=list(self)), f, indent=2)
+
+    def add(self, op, shape, peer, t_peer, t_ours, M="-", **extra):
+        """One row: ``op`` on ``shape`` against ``peer`` (times in seconds, stored in µs, and
+        the peer-to-ours ratio) plus ``extra`` fields; written and printed."""
+        row = dict(
+            op=op,
+            shape=shape,
+            M=M,
+            peer=peer,
+            peer_us=t_peer * 1e6,
+            ours_us=t_ours * 1e6,
+            ratio=t_peer / t_ours,
+            **extra,
+        )
+        self.append(row)
+        print_row(row)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 // H_e = H + e·D·D (one launch for every expert: blockIdx.y is the expert).
 //
 // Three kernels, all computing only the tiles on and above the diagonal and mirroring them
-// (H stays exactly symmetric):
+// (H stays exactly symmetric), walked in 8×8 groups of tiles by the shared ht_tile / ht_block:
 //  - hessian_wg_<f16|bf16> (Hopper, sm_90a; below, after the shared pieces): the same tiles,
 //    walk, loader and epilogue as hessian_tc, with warpgroup MMAs.
 //  - hessian_tc_<f16|bf16>: tensor cores, for 16-bit inputs with D % 8 == 0 and a 16-byte
@@ -18,6 +18,57 @@
 //    thread, 16 rows of X per step (f32 inputs, and 16-bit inputs the tensor-core kernel
 //    does not take).
 
+// ---- shared by the three kernels ---------------------------------------------------------
+// Tile (bi ≤ bj) of block b: the upper triangle of nb × nb tiles is walked in groups of
+// HT_GROUP × HT_GROUP tiles (upper groups only; a diagonal group's upper tiles), so that the
+// blocks resident at one time read the rows of few column blocks and share them in L2.
+#define HT_GROUP 8
+__device__ __forceinline__ void ht_tile(int b, int nb, int& bi, int& bj) {
+    const int ng = (nb + HT_GROUP - 1) / HT_GROUP;
+    for (int gi = 0; gi < ng; gi++) {
+        const int ri = min(HT_GROUP, nb - gi * HT_GROUP);
+        for (int gj = gi; gj < ng; gj++) {
+            const int rj = min(HT_GROUP, nb - gj * HT_GROUP);
+            const int cnt = gi == gj ? ri * (ri + 1) / 2 : ri * rj;
+            if (b < cnt) {
+                if (gi == gj) {
+                    int a = 0;
+                    while (b >= ri - a) { b -= ri - a; a++; }
+                    bi = gi * HT_GROUP + a;
+                    bj = bi + b;
+                } else {
+                    bi = gi * HT_GROUP + b / rj;
+                    bj = gj * HT_GROUP + b % rj;
+                }
+                return;
+            }
+            b -= cnt;
+        }
+    }
+    bi = bj = 0;  // not reached: the grid has nb (nb + 1) / 2 blocks
+}
+
+// The TILE × TILE tile and the rows of this block (blockIdx.x: the tile, blockIdx.y: the
+// expert); false when// the expert has no rows.
+struct HtBlock {
+    int i0, j0, r0, r1;
+    bool diag;
+    float* He;
+};
+template <int TILE>
+__device__ __forceinline__ bool ht_block(float* H, const int* off, int T, int D, HtBlock& b) {
+    int bi, bj;
+    ht_tile(blockIdx.x, (D + TILE - 1) / TILE, bi, bj);
+    b.diag = bi == bj;
+    b.i0 = bi * TILE;
+    b.j0 = bj * TILE;
+    b.r0 = 0;
+    b.r1 = T;
+    if (off) { b.r0 = off[blockIdx.y]; b.r1 = off[blockIdx.y + 1]; }
+    b.He = H + (i64)blockIdx.y * D * D;
+    return b.r1 > b.r0;
+}
+
 #define HS_T 64
 #define HS_K 16
 
@@ -26,16 +77,10 @@ __device__ __forceinline__ void hessian_impl(const void* x, float* H, const int*
                                              float alpha) {
     __shared__ float Xi[HS_K][HS_T + 4];
     __shared__ float Xj[HS_K][HS_T + 4];
-    const int nb = (D + HS_T - 1) / HS_T;
-    int b = blockIdx.x, bi = 0;
-    while (b >= nb - bi) { b -= nb - bi; bi++; }
-    const int bj = bi + b;
-    const int e = blockIdx.y;
-    int r0 = 0, r1 = T;
-    if (off) { r0 = off[e]; r1 = off[e + 1]; }
-    float* He = H + (i64)e * D * D;
+    HtBlock b;
+    if (!ht_block<HS_T>(H, off, T, D, b)) return;
+    const int r0 = b.r0, r1 = b.r1, i0 = b.i0, j0 = b.j0;
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
-    const int i0 = bi * HS_T, j0 = bj * HS_T;
     float acc[4][4];
 #pragma unroll
     for (int a = 0; a < 4; a++)
@@ -73,8 +118,8 @@ __device__ __forceinline__ void hessian_impl(const void* x, float* H, const int*
             int i = i0 + ty * 4 + p, j = j0 + tx * 4 + q;
             if (i < D && j < D) {
                 float v = alpha * acc[p][q];
-                He[(i64)i * D + j] += v;
-                if (bi != bj) He[(i64)j * D + i] += v;
+                b.He[(i64)i * D + j] += v;
+                if (!b.diag) b.He[(i64)j * D + i] += v;
             }
         }
     }
@@ -101,34 +146,6 @@ FORGE_HESS_ENTRY(bf16, FORGE_DT_BF16)
 // (c/8) ^ (k % 8) of its row.
 __device__ __forceinline__ int ht_at(int k, int c) { return k * HT_T + ((((c >> 3) ^ k) & 7) | ((c >> 3) & 8)) * 8 + (c & 7); }
 
-// Tile (bi ≤ bj) of block b: the upper triangle of nb × nb tiles is walked in groups of
-// HT_GROUP × HT_GROUP tiles (upper groups only; a diagonal group's upper tiles), so that the
-// blocks resident at one time read the rows of few column blocks and share them in L2.
-#define HT_GROUP 8
-__device__ __forceinline__ void ht_tile(int b, int nb, int& bi, int& bj) {
-    const int ng = (nb + HT_GROUP - 1) / HT_GROUP;
-    for (int gi = 0; gi < ng; gi++) {
-        const int ri = min(HT_GROUP, nb - gi * HT_GROUP);
-        for (int gj = gi; gj < ng; gj++) {
-            const int rj = min(HT_GROUP, nb - gj * HT_GROUP);
-            const int cnt = gi == gj ? ri * (ri + 1) / 2 : ri * rj;
-            if (b < cnt) {
-                if (gi == gj) {
-                    int a = 0;
-                    while (b >= ri - a) { b -= ri - a; a++; }
-                    bi = gi * HT_GROUP + a;
-                    bj = bi + b;
-                } else {
-                    bi = gi * HT_GROUP + b / rj;
-                    bj = gj * HT_GROUP + b % rj;
-                }
-                return;
-            }
-            b -= cnt;
-        }
-    }
-    bi = bj = 0;  // not reached: the grid has nb (nb + 1) / 2 blocks
-}
 
 // Adds alpha · S (the block's 128 × 128 fp32 tile, row stride HT_SROW) to H at (i0, j0) and
 // its mirror at (j0, i0), a row at a time: warp w takes tile rows w, w + 8, ..., lane l
@@ -152,25 +169,6 @@ __device__ __forceinline__ void ht_epilogue(const float* S, float* He, int D, in
     }
 }
 
-// The tile and rows of this block (blockIdx.x: the tile, blockIdx.y: the expert); false when
-// the expert has no rows.
-struct HtBlock {
-    int i0, j0, r0, r1;
-    bool diag;
-    float* He;
-};
-__device__ __forceinline__ bool ht_block(float* H, const int* off, int T, int D, HtBlock& b) {
-    int bi, bj;
-    ht_tile(blockIdx.x, (D + HT_T - 1) / HT_T, bi, bj);
-    b.diag = bi == bj;
-    b.i0 = bi * HT_T;
-    b.j0 = bj * HT_T;
-    b.r0 = 0;
-    b.r1 = T;
-    if (off) { b.r0 = off[blockIdx.y]; b.r1 = off[blockIdx.y + 1]; }
-    b.He = H + (i64)blockIdx.y * D * D;
-    return b.r1 > b.r0;
-}
 
 // One stage: rows r0 + 32·step .. of the block's 128 i-features into As and 128 j-features
 // into Bs (not for a diagonal tile: As serves both), as 32 rows × 16 chunks of 16 bytes,
@@ -201,7 +199,7 @@ __device__ __forceinline__ void hessian_tc_impl(const u16* x, float* H, const in
                                                 float alpha) {
     extern __shared__ __align__(16) u16 hs_smem[];
     HtBlock b;
-    if (!ht_block(H, off, T, D, b)) return;
+    if (!ht_block<HT_T>(H, off, T, D, b)) return;
     const bool diag = b.diag;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
@@ -323,7 +321,7 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
     // The swizzle pattern repeats every 1024 bytes from a 1024-byte boundary.
     u16* base = hs_smem + ((1024 - (smem_u32(hs_smem) & 1023)) & 1023) / 2;
     HtBlock b;
-    if (!ht_block(H, off, T, D, b)) return;
+    if (!ht_block<HT_T>(H, off, T, D, b)) return;
     const bool diag = b.diag;
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
     u16* As = base;
