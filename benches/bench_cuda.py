@@ -1,6 +1,6 @@
 """GPU benchmark of the CUDA kernels against peers run in the same process (ratios).
 
-    python benches/bench_cuda.py [--json out.json] [--only gemm,pack,mse,gptq,prep,hessian]
+    python benches/bench_cuda.py [--json out.json] [--only gemm,pack,grid,mse,gptq,prep,hessian]
 
 Peers: bf16 ``X @ W.T`` (cuBLAS) and ``torch.ops.aten._weight_int4pack_mm`` (PyTorch's
 int4 "tinygemm") for the W4A16 GEMM; a device-to-device copy for the fused AWQ
@@ -143,6 +143,49 @@ def bench_pack(rows, bw):
                 t_copy,
                 t,
                 limit_pct=100 * moved / t / bw,
+            )
+
+
+def kernel_us(fn, prefix: str, calls: int = 20) -> float:
+    """Mean device time (µs) of the CUDA kernels whose name starts with ``prefix`` over
+    ``calls`` calls of ``fn``, from torch.profiler (CUPTI sees the NVRTC kernels too): the
+    kernel alone, without the API's argument checks around it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    us = [e.device_time for e in prof.events() if e.name.startswith(prefix)]
+    return sum(us) / max(len(us), 1)
+
+
+def bench_grid(rows, bw):
+    """The range grid kernel (min/max per group) alone, bf16 and FP8 with block scales; the
+    limit is its bytes moved at copy bandwidth."""
+    for k, n in SHAPES:
+        for dt, scaled in ((torch.bfloat16, False), (torch.float8_e4m3fn, True)):
+            w32 = torch.randn(n, k, device="cuda") * 0.02
+            s = None
+            if scaled:
+                s = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3 + 1e-4
+                w32 = (w32 * 5000).clamp(-440, 440)
+            w = w32.to(dt)
+            t = kernel_us(
+                lambda w=w, s=s: forge.build_quant_grid(w, G, 4, False, "range", scale_inv=s), "qmeta_range"
+            )
+            t_copy = graph_time(lambda w=w: w.clone())
+            moved = w.numel() * w.element_size() + n * (k // G) * 4 + (0 if s is None else s.numel() * 4)
+            rows.add(
+                "qmeta_range",
+                f"K={k} N={n} {str(dt)[6:]}{' block scales' if scaled else ''}",
+                "d2d copy of W",
+                t_copy,
+                t * 1e-6,
+                limit_pct=100 * moved / (t * 1e-6) / bw,
             )
 
 
@@ -469,7 +512,7 @@ def print_row(r):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default="gemm,pack,mse,gptq,prep,hessian")
+    ap.add_argument("--only", default="gemm,pack,grid,mse,gptq,prep,hessian")
     ap.add_argument(
         "--batch", type=int, default=None, help="experts per batched GPTQ call (default: 64, or what fits)"
     )
@@ -488,6 +531,8 @@ def main() -> None:
         bench_gemm(rows, bw)
     if "pack" in only:
         bench_pack(rows, bw)
+    if "grid" in only:
+        bench_grid(rows, bw)
     if "mse" in only:
         bench_mse(rows)
     if "gptq" in only:

@@ -14,29 +14,60 @@ __device__ __forceinline__ float mse_candidate(int ci, int n_grid, float max_shr
     return (float)(1.0 - s + (double)ci * step);
 }
 
+// Lanes per group of the range grid: one per 8 elements, rounded up to a power of two (at
+// most 32; larger groups loop). ops.rs launches `groups x range_lanes(G)` threads.
+__device__ __forceinline__ int range_lanes(int G) {
+    int w = 1;
+    while (w < (G + 7) / 8 && w < 32) w <<= 1;
+    return w;
+}
+
 template <int DT>
 __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int rows, int cols, int G,
                                                  int bits, int symmetric, const float* bs, int bcols) {
-    const int lane = threadIdx.x & 31;
-    const i64 gid = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int W = range_lanes(G);
+    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 gid = t / W;
+    const int sub = (int)(t % W);
     const int ng = (cols + G - 1) / G;
-    if (gid >= (i64)rows * ng) return;
-    const i64 r = gid / ng;
-    const int g = (int)(gid % ng);
+    // A warp holds 32 / W whole groups; lanes past the last group take part in the shuffles.
+    const bool active = gid < (i64)rows * ng;
+    const i64 r = active ? gid / ng : 0;
+    const int g = active ? (int)(gid % ng) : 0;
     float mn = f_inf(), mx = -f_inf();
-    for (int i = lane; i < G; i += 32) {
-        int c = g * G + i;
-        float v = c < cols ? Elem<DT>::load(x, r * cols + c) : 0.0f;
-        if (bs != nullptr && c < cols) v = v * block_scale(bs, bcols, r, c);
-        mn = fminf(mn, v);
-        mx = fmaxf(mx, v);
-    }
+    // The padding past `cols` is zeros, and the grid contains 0 anyway (below): skipped.
+    if (active && cols % 8 == 0 && ((u64)x & 15) == 0) {
+        // 8 consecutive elements per lane (one 16-byte load; they share one block scale).
+        for (int i = 8 * sub; i < G; i += 8 * W) {
+            const int c = g * G + i;
+            if (c < cols) {
+                float v[8];
+                load8<DT>(x, r * cols + c, v);
+                const float sc = bs != nullptr ? block_scale(bs, bcols, r, c) : 1.0f;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
+                for (int j = 0; j < 8; j++) {
+                    const float e = bs != nullptr ? v[j] * sc : v[j];
+                    mn = fminf(mn, e);
+                    mx = fmaxf(mx, e);
+                }
+            }
+        }
+    } else if (active) {
+        for (int i = sub; i < G; i += W) {
+            const int c = g * G + i;
+            if (c < cols) {
+                float v = Elem<DT>::load(x, r * cols + c);
+                if (bs != nullptr) v = v * block_scale(bs, bcols, r, c);
+                mn = fminf(mn, v);
+                mx = fmaxf(mx, v);
+            }
+        }
+    }
+    for (int off = W / 2; off > 0; off >>= 1) {
         mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     }
-    if (lane == 0) {
+    if (active && sub == 0) {
         // The grid always contains 0 (xmin = min(min x, 0), xmax = max(max x, 0)), as
         // forge_core::grid::range_meta; min/max are exact, so the order does not matter.
         mn = fminf(mn, 0.0f);

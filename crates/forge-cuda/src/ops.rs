@@ -207,7 +207,9 @@ pub unsafe fn qmeta_range(a: &QmetaGrid, s: Stream) -> Result<()> {
     a.validate()?;
     let dev = dev_of(s)?;
     let f = dev.function(kname("qmeta_range", a.dtype)?)?;
-    let grid = blocks(a.groups()? * 32, 256)?;
+    // grid.cu's range_lanes: one lane per 8 elements of a group, a power of two, at most 32.
+    let lanes = a.spec.group_size.div_ceil(8).next_power_of_two().min(32);
+    let grid = blocks(a.groups()? * lanes, 256)?;
     let (mut px, mut pq) = (a.x, a.qmeta);
     let (mut r, mut c, mut g) = (
         to_i32("rows", a.rows)?,

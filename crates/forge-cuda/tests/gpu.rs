@@ -174,12 +174,16 @@ fn qmeta_grids_bit_exact() {
         (4, 32, false),
         (3, 64, true),
         (8, 256, false),
+        (4, 96, false),  // 12 lanes of the range grid's 16 per group
+        (4, 1024, true), // lanes loop over the group
     ] {
         let spec = GridSpec {
             bits,
             group_size: g,
             symmetric: sym,
         };
+        // 300: not a multiple of 8 (element by element); 1000: a padded last group read 8
+        // elements at a time.
         for (rows, cols) in [(16, 512), (13, 300), (8, 1000)] {
             grid_case::<f32>(rows, cols, &spec, Some(&mse), 1);
             grid_case::<f16>(rows, cols, &spec, Some(&mse2), 2);
