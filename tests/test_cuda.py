@@ -96,6 +96,9 @@ def test_block_scaled_fp8_bit_exact(k, n, group):
     gpu = forge.quantize_pack_awq(w8.cuda(), qmeta.cuda(), group, scale_inv=s.cuda())
     for a, b in zip(cpu, gpu, strict=True):
         assert torch.equal(a, b.cpu())
+    s[0, 0] = float("inf")
+    with pytest.raises(forge.errors.InvalidValueError, match="scale_inv"):
+        forge.quantize_pack_awq(w8.cuda(), qmeta.cuda(), group, scale_inv=s.cuda())
 
 
 def test_pack_codes_bit_exact():

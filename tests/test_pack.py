@@ -230,6 +230,10 @@ def test_block_scales_are_checked(gen):
         forge.build_quant_grid(w8, 128, scale_inv=s[:1])
     with pytest.raises(DTypeError, match="scale_inv: expected dtype torch.float32"):
         forge.quantize_pack_awq(w8, qmeta, 128, scale_inv=s.half())
+    bad = s.clone()
+    bad[1, 0] = float("nan")
+    with pytest.raises(InvalidValueError, match="scale_inv"):
+        forge.build_quant_grid(w8, 128, scale_inv=bad)
 
 
 def test_rtn_round_half_even():

@@ -117,6 +117,13 @@ fn block_scales<'py>(
         &[w.shape[0].div_ceil(b), w.shape[1].div_ceil(b)],
         "(ceil(N/128), ceil(K/128)) for weight (N, K)",
     )?;
+    if s.is_cuda() {
+        s.require_finite_cuda()?;
+    } else {
+        // SAFETY: a CPU f32 tensor (checked above), alive while `s` is.
+        forge_core::dtype::check_finite("scale_inv", unsafe { s.slice::<f32>() })
+            .map_err(|e| core_err(w.obj.py(), e))?;
+    }
     Ok(Some(s))
 }
 
