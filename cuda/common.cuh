@@ -190,12 +190,20 @@ __device__ __forceinline__ GroupParams qmeta_params(u32 m, int bits) {
     return p;
 }
 
-// q = clamp(rne(x * inv + z), 0, maxq)  (separate multiply and add; --fmad=false)
+// x * inv + z  (separate multiply and add; --fmad=false), the value the quantizer rounds.
+__device__ __forceinline__ float quant_arg(float x, const GroupParams& p) {
+    const float t = x * p.inv;
+    return t + p.zero;
+}
+// q = clamp(rne(x * inv + z), 0, maxq)
 __device__ __forceinline__ float quant_code(float x, const GroupParams& p) {
-    float t = x * p.inv;
-    t = t + p.zero;
-    t = rintf(t);
-    return fminf(fmaxf(t, 0.0f), p.maxq);
+    return fminf(fmaxf(rintf(quant_arg(x, p)), 0.0f), p.maxq);
+}
+// The same code as an integer: the unsigned conversion rounds to nearest even and saturates
+// (negative values and -Inf to 0, +Inf to UINT_MAX, NaN to 0, as quant_code's clamp does),
+// leaving one min.
+__device__ __forceinline__ u32 quant_code_u(float x, const GroupParams& p, u32 maxq) {
+    return min(__float2uint_rn(quant_arg(x, p)), maxq);
 }
 __device__ __forceinline__ float dequant(float q, const GroupParams& p) { return (q - p.zero) * p.scale; }
 

@@ -43,15 +43,6 @@ template <int R> __device__ __forceinline__ int qp_slot(int r, int q) {
     return (r / (32 / R)) * 32 + (((r % (32 / R)) * R + q) ^ ((r >> 3) & 31));
 }
 
-// q = clamp(rne(x * inv + z), 0, maxq) as an integer, the codes of quant_code: the unsigned
-// conversion rounds to nearest even and saturates (negative values and -Inf to 0, +Inf to
-// UINT_MAX, NaN to 0, as quant_code's clamp does), leaving one min.
-__device__ __forceinline__ u32 quant_code_u(float x, const GroupParams& p, u32 maxq) {
-    float t = x * p.inv;
-    t = t + p.zero;
-    return min(__float2uint_rn(t), (u32)maxq);
-}
-
 // Transposes the 8x8 nibble matrix a[i] (nibble j = element [i][j]) in place: afterwards
 // a[j]'s nibble i is the former a[i]'s nibble j.
 __device__ __forceinline__ void nibble_transpose8(u32 a[8]) {
