@@ -23,9 +23,9 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
     return ((m >> 24) & 1u) ? (1u << (bits - 1)) : ((m >> 16) & 0xFFu);
 }
 
-// Tile: 256 output rows (n) x QpTile::BK inputs (k), 256 threads; BK = 128 bytes of a row
-// (fp8 128 inputs, else 64; ops.rs launches ceil(K/BK) x ceil(N/256) blocks, the k-tiles of
-// the same rows side by side, so the weight rows stream contiguously).
+// Tile: 256 output rows (n) x QpTile::BK inputs (k), 256 threads; BK = 128 for fp8 and 64
+// otherwise (128 bytes of a row, 256 for f32; ops.rs launches ceil(K/BK) x ceil(N/256)
+// blocks, the k-tiles of the same rows side by side, so the weight rows stream contiguously).
 // Phase 1: thread t loads row n0+t's whole tile at once, quantizes it run by run (8 inputs)
 // and keeps each run's 8 codes as one word (nibble j = input 8q+j). Phase 2: thread (octet
 // o = lane, run q = warp + 8i) reads the words of rows 8o..8o+7 for run q, transposes the

@@ -392,7 +392,7 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
     );
     let (mut bs, mut bcols) = (a.block_scale, to_i32("k", k.div_ceil(FP8_BLOCK))?);
     let mut p = args!(pw, pm, pqw, pqz, psc, nn, kk, g, bits, bs, bcols);
-    // pack.cu's QpTile: 128 bytes of a row per block (fp8 128 inputs, others 64).
+    // pack.cu's QpTile::BK: inputs of a row per block (fp8 128, others 64).
     let tile_k = if a.dtype == DType::F8E4M3 { 128 } else { 64 };
     let grid = (blocks(k, tile_k)?, blocks(n, 256)?, 1);
     // SAFETY: parameter list matches awq_quant_pack_<dt>.
