@@ -703,6 +703,42 @@ fn hessian_kernels(dt: DType, d: usize) -> Vec<ops::HessianKernel> {
     v
 }
 
+/// `xf` stored as `dt` (F32, F16 or Bf16): its little-endian bytes and the f32 values they hold.
+fn float_rows(dt: DType, xf: &[f32]) -> (Vec<u8>, Vec<f32>) {
+    if dt == DType::F32 {
+        return (
+            xf.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            xf.to_vec(),
+        );
+    }
+    let (bits, vals) = activations(dt, xf);
+    (bits.iter().flat_map(|b| b.to_le_bytes()).collect(), vals)
+}
+
+/// One Hessian update of `rows` of `x` into `h` with `kernel`; returns the downloaded H.
+fn hessian_run(
+    x: &DeviceBuf,
+    dt: DType,
+    d: usize,
+    rows: ops::HessianRows,
+    h: &DeviceBuf,
+    alpha: f32,
+    kernel: ops::HessianKernel,
+) -> Vec<f32> {
+    let a = ops::HessianUpdate {
+        x: x.ptr(),
+        dtype: dt,
+        d,
+        rows,
+        h: h.ptr(),
+        alpha,
+        kernel,
+    };
+    unsafe { ops::hessian_update(&a, S) }.unwrap();
+    synchronize(0).unwrap();
+    h.download().unwrap()
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
 fn hessian_matches_f64() {
@@ -711,41 +747,13 @@ fn hessian_matches_f64() {
     for dt in [DType::F32, DType::F16, DType::Bf16] {
         for (t, d) in [(300usize, 200usize), (64, 64), (1000, 130)] {
             let xf: Vec<f32> = (0..t * d).map(|_| r.n()).collect();
-            let (bytes, xr): (Vec<u8>, Vec<f32>) = match dt {
-                DType::F32 => (
-                    xf.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    xf.clone(),
-                ),
-                DType::F16 => (
-                    xf.iter()
-                        .flat_map(|v| f16::from_f32(*v).to_bits().to_le_bytes())
-                        .collect(),
-                    xf.iter().map(|v| f16::from_f32(*v).to_f32()).collect(),
-                ),
-                _ => (
-                    xf.iter()
-                        .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
-                        .collect(),
-                    xf.iter().map(|v| bf16::from_f32(*v).to_f32()).collect(),
-                ),
-            };
+            let (bytes, xr) = float_rows(dt, &xf);
             let dx = DeviceBuf::from_slice(0, &bytes).unwrap();
             // Start from a non-zero H to check the accumulation.
             let h0: Vec<f32> = (0..d * d).map(|i| ((i / d + i % d) % 7) as f32).collect();
             for kernel in hessian_kernels(dt, d) {
                 let dh = DeviceBuf::from_slice(0, &h0).unwrap();
-                let a = ops::HessianUpdate {
-                    x: dx.ptr(),
-                    dtype: dt,
-                    d,
-                    rows: ops::HessianRows::All { t },
-                    h: dh.ptr(),
-                    alpha: 0.5,
-                    kernel,
-                };
-                unsafe { ops::hessian_update(&a, S) }.unwrap();
-                synchronize(0).unwrap();
-                let h: Vec<f32> = dh.download().unwrap();
+                let h = hessian_run(&dx, dt, d, ops::HessianRows::All { t }, &dh, 0.5, kernel);
                 for i in 0..d {
                     for j in 0..d {
                         let (mut s, mut mag) = (0f64, 0f64);
@@ -787,37 +795,18 @@ fn hessian_matches_f64() {
     }
     for dt in [DType::F32, DType::Bf16] {
         let xf: Vec<f32> = (0..t * d).map(|_| r.n()).collect();
-        let (bytes, x): (Vec<u8>, Vec<f32>) = if dt == DType::F32 {
-            (xf.iter().flat_map(|v| v.to_le_bytes()).collect(), xf)
-        } else {
-            (
-                xf.iter()
-                    .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
-                    .collect(),
-                xf.iter().map(|v| bf16::from_f32(*v).to_f32()).collect(),
-            )
-        };
+        let (bytes, x) = float_rows(dt, &xf);
         let dx = DeviceBuf::from_slice(0, &bytes).unwrap();
         let di = DeviceBuf::from_slice(0, &idx).unwrap();
         let doff = DeviceBuf::from_slice(0, &off).unwrap();
         for kernel in hessian_kernels(dt, d) {
             let dh = DeviceBuf::zeroed(0, 3 * d * d * 4).unwrap();
-            let a = ops::HessianUpdate {
-                x: dx.ptr(),
-                dtype: dt,
-                d,
-                rows: ops::HessianRows::Routed {
-                    idx: di.ptr(),
-                    offsets: doff.ptr(),
-                    experts: 3,
-                },
-                h: dh.ptr(),
-                alpha: 1.0,
-                kernel,
+            let rows = ops::HessianRows::Routed {
+                idx: di.ptr(),
+                offsets: doff.ptr(),
+                experts: 3,
             };
-            unsafe { ops::hessian_update(&a, S) }.unwrap();
-            synchronize(0).unwrap();
-            let h: Vec<f32> = dh.download().unwrap();
+            let h = hessian_run(&dx, dt, d, rows, &dh, 1.0, kernel);
             for (e, l) in lists.iter().enumerate() {
                 for i in 0..d {
                     for j in 0..d {
