@@ -25,6 +25,11 @@ G = 128
 SHAPES = [(7168, 2048), (2048, 7168), (7168, 18432)]  # (K, N)
 
 
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |got − ref| / max |ref|``, in ``ref``'s dtype."""
+    return float((got.to(ref.dtype) - ref).abs().max() / ref.abs().max())
+
+
 def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
     """Median seconds per call, CUDA events."""
     for _ in range(warmup):
@@ -97,7 +102,7 @@ def bench_gemm(rows, bw):
             t_tiny = graph_time(lambda x=x: torch.ops.aten._weight_int4pack_mm(x, w_int4, G, sz))
             t_ours = graph_time(lambda x=x: forge.awq_matmul(x, qw, qz, sc, G))
             ref = x.float() @ forge.dequantize_awq(qw, qz, sc, G).t()
-            err = float((forge.awq_matmul(x, qw, qz, sc, G).float() - ref).abs().max() / ref.abs().max())
+            err = rel_err(forge.awq_matmul(x, qw, qz, sc, G), ref)
             rows.add(
                 "w4a16_gemm",
                 f"K={k} N={n}",
@@ -393,11 +398,8 @@ def bench_hessian(rows):
     t_simt = cuda_time(lambda hd=hd, xf=xf: forge.hessian_update(hd, xf, 1.0), reps=2, warmup=1) * 4
     del xf
     ref = xd[:, :512].double().T @ xd[:, :512].double()
-    err = float((dense()[:512, :512].double() - ref).abs().max() / ref.abs().max())
-    err_peer = float(
-        (torch.mm(xd[:, :512].t(), xd[:, :512], out_dtype=torch.float32).double() - ref).abs().max()
-        / ref.abs().max()
-    )
+    err = rel_err(dense()[:512, :512], ref)
+    err_peer = rel_err(torch.mm(xd[:, :512].t(), xd[:, :512], out_dtype=torch.float32), ref)
     flops = 2 * 16384**3
     rows.add(
         "hessian_dense",
@@ -421,7 +423,7 @@ def bench_hessian(rows):
             t_peer = cuda_time(lambda x=x: torch.mm(x.t(), x, out_dtype=torch.float32), reps=5)
             t_ours = cuda_time(lambda x=x: gram(x), reps=5)
             ref = x[:, :256].double().T @ x[:, :256].double()
-            err = float((gram(x)[:256, :256].double() - ref).abs().max() / ref.abs().max())
+            err = rel_err(gram(x)[:256, :256], ref)
             rows.add(
                 "hessian_gram",
                 f"D={d} T={t}",
@@ -465,11 +467,8 @@ def bench_hessian(rows):
         e0 = int(counts.argmax())
         xe = x[tok[int(counts[:e0].sum()) : int(counts[: e0 + 1].sum())]]
         ref = xe.double().T @ xe.double()
-        got = ours()[e0].double()
-        err = float((got - ref).abs().max() / ref.abs().max())
-        err_peer = float(
-            (torch.mm(xe.t(), xe, out_dtype=torch.float32).double() - ref).abs().max() / ref.abs().max()
-        )
+        err = rel_err(ours()[e0], ref)
+        err_peer = rel_err(torch.mm(xe.t(), xe, out_dtype=torch.float32), ref)
         rows.add(
             "hessian_experts",
             f"D={d} {e} experts, {t}x{top_k} rows",
