@@ -190,6 +190,18 @@ __device__ __forceinline__ GroupParams qmeta_params(u32 m, int bits) {
     return p;
 }
 
+// 1.5·2^23: for |y| < 2^22, y + FORGE_ROUND holds rint(y) in its low mantissa bits (its bits are
+// FORGE_ROUND_BITS + n) and (y + FORGE_ROUND) − FORGE_ROUND is that integer as a float: integers
+// cross between floats and ints without a conversion instruction (1/8 of the FMA issue rate).
+#define FORGE_ROUND 12582912.0f
+#define FORGE_ROUND_BITS 0x4B400000u
+__device__ __forceinline__ float int_f32(int k) { return __uint_as_float(FORGE_ROUND_BITS + (u32)k) - FORGE_ROUND; }
+// clamp(rint(t), 0, maxq) for maxq < 2^22 without a conversion instruction: t + 1.5·2^23 − 1.5·2^23
+// is rint(t) for |t| < 2^22, and any larger |t| is clamped to the same end.
+__device__ __forceinline__ float rint_clamp(float t, float maxq) {
+    return fminf(fmaxf((t + FORGE_ROUND) - FORGE_ROUND, 0.0f), maxq);
+}
+
 // x * inv + z  (separate multiply and add; --fmad=false), the value the quantizer rounds.
 __device__ __forceinline__ float quant_arg(float x, const GroupParams& p) {
     const float t = x * p.inv;
@@ -197,7 +209,7 @@ __device__ __forceinline__ float quant_arg(float x, const GroupParams& p) {
 }
 // q = clamp(rne(x * inv + z), 0, maxq)
 __device__ __forceinline__ float quant_code(float x, const GroupParams& p) {
-    return fminf(fmaxf(rintf(quant_arg(x, p)), 0.0f), p.maxq);
+    return rint_clamp(quant_arg(x, p), p.maxq);
 }
 // The same code as an integer: the unsigned conversion rounds to nearest even and saturates
 // (negative values and -Inf to 0, +Inf to UINT_MAX, NaN to 0, as quant_code's clamp does),
@@ -208,51 +220,36 @@ __device__ __forceinline__ u32 quant_code_u(float x, const GroupParams& p, u32 m
 __device__ __forceinline__ float dequant(float q, const GroupParams& p) { return (q - p.zero) * p.scale; }
 
 // ---- portable pow (mirrors forge_core::pmath) -------------------------------------------
+// Only + − *, explicit fmaf and bit moves: no division and no float <-> int conversion (both
+// issue at 1/8 of the FMA rate). Integers cross through the bits of y + 1.5·2^23.
+
 __device__ __forceinline__ float log2_poly(float a) {
-    if (a <= 0.0f) return -f_inf();
-    u32 bits = __float_as_uint(a);
-    int e = 0;
-    if (((bits >> 23) & 0xFF) == 0) {
-        bits = __float_as_uint(a * 8388608.0f);
-        e = -23;
-    }
-    e += (int)((bits >> 23) & 0xFF) - 127;
-    float m = __uint_as_float((bits & 0x007FFFFFu) | 0x3F800000u);
-    if (m > 1.4142135f) {
-        m *= 0.5f;
-        e += 1;
-    }
-    float t = (m - 1.0f) / (m + 1.0f);
-    float t2 = t * t;
-    float s = 0.11111111f;
-    s = s * t2 + 0.14285715f;
-    s = s * t2 + 0.2f;
-    s = s * t2 + 0.33333334f;
-    s = s * t2 + 1.0f;
-    return (float)e + (t * s) * 2.88539f;
+    const bool sub = a < 1.17549435e-38f;
+    const float a2 = sub ? a * 8388608.0f : a;
+    const u32 ix = __float_as_uint(a2) + (0x3F800000u - 0x3F3504F3u);
+    const float m = __uint_as_float((ix & 0x007FFFFFu) + 0x3F3504F3u);
+    const int k = (int)(ix >> 23) - (sub ? 127 + 23 : 127);
+    const float f = m - 1.0f;
+    const float d = m + 1.0f;
+    float r = fmaf(-0.23901331f, d, 0.98505586f);
+    r = fmaf(r, fmaf(-d, r, 1.0f), r);
+    float t = f * r;
+    t = fmaf(r, fmaf(-t, d, f), t);
+    const float t2 = t * t;
+    const float s = fmaf(fmaf(0.59577274f, t2, 0.9615886f), t2, 2.8853905f);
+    return fmaf(t, s, int_f32(k));
 }
 
 __device__ __forceinline__ float exp2_poly(float y) {
-    const float yc = fminf(fmaxf(y, -150.0f), 127.0f);
-    const float n = rintf(yc);
-    const float x = (yc - n) * 0.6931472f;
-    float p = 2.4801587e-5f;
-    p = p * x + 1.984127e-4f;
-    p = p * x + 1.3888889e-3f;
-    p = p * x + 8.333334e-3f;
-    p = p * x + 4.1666668e-2f;
-    p = p * x + 0.16666667f;
-    p = p * x + 0.5f;
-    p = p * x + 1.0f;
-    p = p * x + 1.0f;
-    const int ni = (int)n;  // -150..=127
-    const bool low = ni < -126;
-    const float s1 = pow2i(low ? ni + 64 : ni);
-    const float s2 = low ? pow2i(-64) : 1.0f;
-    const float r = (p * s1) * s2;
-    if (y >= 128.0f) return f_inf();
-    if (y < -150.0f) return 0.0f;
-    return r;
+    const float yc = fminf(fmaxf(y, -127.0f), 127.0f);
+    const float v = yc + FORGE_ROUND;
+    const float f = yc - (v - FORGE_ROUND);
+    float q = fmaf(1.3333524e-3f, f, 9.666245e-3f);
+    q = fmaf(q, f, 5.5505004e-2f);
+    q = fmaf(q, f, 0.24022351f);
+    q = fmaf(q, f, 0.6931471f);
+    const float p = fmaf(f, q, 1.0f);
+    return p * __uint_as_float((__float_as_uint(v) - FORGE_ROUND_BITS + 127u) << 23);
 }
 
 __device__ __forceinline__ float pow_p(float a, float p) { return a == 0.0f ? 0.0f : exp2_poly(p * log2_poly(a)); }

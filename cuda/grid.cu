@@ -100,10 +100,11 @@ __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int 
 // Measured and dropped (H100, 7168x2048, 100 candidates, norm 2.4; this form 5.24-5.44 ms):
 // 4 or 8 candidates summed side by side with interleaved trees, 5.14 / 5.39 ms (noise); all
 // 32 candidates' partial sums per lane then one recursive-halving reduction (same floats,
-// 31 shuffles per 32 sums), 10.4 ms. The loop is issue-bound on pow_p (a log2 polynomial with
-// an IEEE division, then an exp2 polynomial: ~75 instructions per element and candidate, ~3.3
-// ms at full issue for this shape), so a faster search needs a cheaper |e|^p shared bit for
-// bit with forge-core, not another loop shape.
+// 31 shuffles per 32 sums), 10.4 ms. What did help was the element's arithmetic: pow_p had an
+// IEEE division (MUFU.RCP and a slow-path check) and, with rintf, four float <-> int
+// conversions, each issuing at 1/8 of the FMA rate; without them (forge_core::pmath, FMA
+// polynomials, integers through the bits of y + 1.5·2^23, rint_clamp) the loop has ~56
+// instructions per element and candidate instead of ~100, and the search takes 3.37 ms.
 template <bool L2>
 __device__ __forceinline__ int mse_search(const float* buf, int G, int lane, const GroupParams& p0, u32 meta,
                                           int n_grid, float norm, float max_shrink) {
@@ -126,9 +127,7 @@ __device__ __forceinline__ int mse_search(const float* buf, int G, int lane, con
             for (int i = lane; i < G; i += 32) {
                 const float xv = buf[i];
                 float t = xv * inv;
-                t = t + p0.zero;
-                t = rintf(t);
-                t = fminf(fmaxf(t, 0.0f), p0.maxq);
+                t = rint_clamp(t + p0.zero, p0.maxq);
                 float e = (t - p0.zero) * s;
                 e = e - xv;
                 acc = acc + (L2 ? e * e : pow_p(fabsf(e), norm));

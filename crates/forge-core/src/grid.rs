@@ -237,8 +237,10 @@ pub fn build_range<T: Element>(
 }
 
 /// Loss of one candidate scale on one group, in the fixed lane order of `docs/numerics.md`.
-/// `group.len()` is a multiple of [`LANES`] (groups are padded).
-#[inline]
+/// `group.len()` is a multiple of [`LANES`] (groups are padded). Always inlined, so that it
+/// takes the target features of `mse_row`'s clone: `pow_p`'s `mul_add` is one instruction with
+/// FMA and a libm call without it.
+#[inline(always)]
 pub fn candidate_loss(group: &[f32], scale: f32, zero: f32, maxq: f32, norm: f32) -> f32 {
     let inv = 1.0 / scale;
     let mut lanes = [0f32; LANES];
@@ -283,7 +285,7 @@ pub fn candidate_q88(s0: f32, p: f32) -> i16 {
 /// loss of the stored qmeta is exactly the minimum found. The zero point stays that of the
 /// range grid: GPTQ's reference search shrinks `xmin` and `xmax` by the same factor `p`, and
 /// `round(-p·xmin / (p·(xmax − xmin)/maxq))` does not depend on `p`.
-#[inline]
+#[inline(always)]
 pub fn mse_refine_group(group: &[f32], meta: QMeta, bits: u8, cands: &[f32], norm: f32) -> QMeta {
     let p = meta.params(bits);
     let mut best = f32::INFINITY;
