@@ -47,9 +47,10 @@ pub fn log2_poly(a: f32) -> f32 {
 /// 2^y for finite `y`: `y` is clamped to [−127, 127], so results below ≈ 2^-126.5 are 0 and
 /// `y` ≥ 127 gives 2^127 (as a loss term it only has to be huge).
 #[inline(always)]
-#[allow(clippy::approx_constant)] // q's minimax coefficients: 0.6931471 is 1 ulp below ln 2 on purpose
+// approx_constant: q's minimax coefficient 0.6931471 is one ulp below ln 2 on purpose;
+// manual_clamp: max/min, not clamp, so that a NaN gives −127 as fmaxf/fminf do in CUDA.
+#[allow(clippy::approx_constant, clippy::manual_clamp)]
 pub fn exp2_poly(y: f32) -> f32 {
-    // max/min, not clamp: a NaN gives -127 here as fmaxf/fminf give in CUDA.
     let yc = y.max(-127.0).min(127.0);
     let v = yc + ROUND;
     let f = yc - (v - ROUND); // |f| <= 0.5, exact
