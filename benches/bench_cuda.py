@@ -253,11 +253,13 @@ def gptq_reference_bmm(w, hinv, scale, zero, block=128):
 
 
 def fitting_batch(n: int, k: int, want: int | None) -> int:
-    """Experts per batched call that fit: the batch's inputs, Hessians and the preparation's
-    working copies (about 10 Hessians' worth each) in 70 % of the free memory."""
+    """Experts per batched call that fit in 85 % of the free memory: per expert, the larger of
+    the preparation's peak (weight, Hessian, factor and the preparation's working copy) and the
+    solves' (factor, weight and its transpose, our outputs, the peer's copies)."""
+    torch.cuda.empty_cache()  # blocks torch keeps cached are free for this
     free, _ = torch.cuda.mem_get_info()
-    per = 4 * (2 * k * k + 10 * k * k + 3 * n * k)
-    fit = max(1, int(0.7 * free // per))
+    per = 4 * max(n * k + 3.2 * k * k, k * k + 6 * n * k)
+    fit = max(1, int(0.85 * free // per))
     return min(want, fit) if want else min(64, fit)
 
 
@@ -265,11 +267,15 @@ def bench_gptq(rows, batch):
     for n, k in [(2048, 7168), (7168, 2048)]:  # (N, K): gate/up and down of a routed expert
         for e in (1, fitting_batch(n, k, batch)):
             w = torch.randn(e, n, k, device="cuda") * 0.02
-            x = torch.randn(e, 2 * k, k, device="cuda") @ (
-                torch.eye(k, device="cuda") + 0.05 * torch.randn(k, k, device="cuda")
-            )
-            h = 2 * x.transpose(1, 2) @ x / x.shape[1]
-            del x
+            # Hessians of correlated inputs, one expert at a time (a batch of the inputs
+            # themselves would be 2k x k each).
+            h = torch.empty(e, k, k, device="cuda")
+            for i in range(e):
+                x = torch.randn(2 * k, k, device="cuda") @ (
+                    torch.eye(k, device="cuda") + 0.05 * torch.randn(k, k, device="cuda")
+                )
+                torch.mm(x.T, x, out=h[i]).mul_(2 / x.shape[0])
+                del x
             u, _, _, _, _ = forge.prepare_hessian_batched(h, 0.01)
             del h
             qm = torch.stack([forge.build_quant_grid(w[i], G, 4, False, "range")[0] for i in range(e)])
