@@ -2,13 +2,14 @@
 // the same shape (all experts of a layer). Per matrix e:
 //   W: weight_t [C, R] f32, updated in place (row perm[j] holds processing position j),
 //   U: upper Cholesky factor of H⁻¹ [C, C] (processing order), qmeta: [R, ceil(C/G)] of W.T,
-//   perm: [C] i32 or null, codes: [C, R] u8 in ORIGINAL order, err: workspace [B, R] f32.
+//   perm: [C] i32 or null, codes: [C, R] u8 in ORIGINAL order, err: workspace [err_rows, R] f32
+//   holding the scaled errors of the current super-block's columns (see ops::gptq_solve).
 // gptq_block_f32: the in-block column loop for block [i1, i1 + bsz). One thread per column r
 //   (columns are independent inside a block); its block rows live in shared memory. The rows
 //   are taken GQ_SUB at a time: the sub-block's rows are quantized in registers, then its
 //   errors update the block's later rows as one rank-GQ_SUB update per row, with the U
 //   coefficients staged transposed in shared memory (two broadcast 16-byte loads per row).
-// gptq_trail128_f32: W[i2:, :] -= U[i1:i2, i2:]ᵀ · Err, a batched register-blocked fp32 GEMM.
+// gptq_trail_tf32x3: W[rows, :] -= U[k0:k0+kn, rows]ᵀ · Err, a batched tensor-core GEMM (3xTF32).
 
 #define GQ_THREADS 64
 #define GQ_BMAX 128
@@ -25,7 +26,7 @@ __device__ __forceinline__ float gq_axpy(float w, float c, float e) { return c !
 // GQ_SUB updates of one row.
 extern "C" __global__ void __launch_bounds__(GQ_THREADS) gptq_block_f32(
     float* W, const float* U, const u32* qmeta, const int* perm, u8* codes, float* err, int C, int R, int G,
-    int bits, int i1, int bsz) {
+    int bits, int i1, int bsz, int err_rows) {
     __shared__ float Ws[GQ_BMAX][GQ_THREADS];
     // Us[k][jj] = U[i1 + s0 + jj][i1 + k]: the current sub-block's rows of U, transposed.
     __shared__ __align__(16) float Us[GQ_BMAX][GQ_SUB];
@@ -37,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(GQ_THREADS) gptq_block_f32(
     W += e * CR;
     U += (i64)e * C * C;
     codes += e * CR;
-    err += (i64)e * GQ_BMAX * R;
+    err += (i64)e * err_rows * R;
     const int ng = (C + G - 1) / G;
     qmeta += (i64)e * R * ng;
     if (perm) perm += (i64)e * C;
@@ -128,122 +129,171 @@ extern "C" __global__ void __launch_bounds__(GQ_THREADS) gptq_block_f32(
     }
 }
 
-// gptq_trail128_f32: the trailing update, register-blocked: 128×128 output tile
-// per 256-thread block, 8×8 outputs per thread (rows ty·4+{0..3}, 64+ty·4+{0..3}; columns
-// tx·4+{0..3}, 64+tx·4+{0..3}), BK = 8, shared memory double-buffered with one barrier per
-// k step, explicit fmaf (fp32, no TF32; the module is compiled with --fmad=false).
-#define GT2_T 128
-#define GT2_K 8
+// gptq_trail_tf32x3: a trailing update W[row0:row1, :] -= U[k0:k0+kn, row0:row1]ᵀ · Err[0:kn]
+// (Err's rows are the scaled errors of columns k0.., per expert err_rows apart) on tensor cores,
+// fp32 accuracy from three TF32 products (docs/numerics.md "GPTQ solver"): each operand x is
+// split into hi = x rounded to TF32 (nearest, ties away) and lo = x − hi (exact; the MMA reads
+// its top 19 bits), and a·b ≈ a_lo·b_hi + a_hi·b_lo + a_hi·b_hi with fp32 accumulation (error
+// ≈ 2^-22 relative per product; lo·lo is below that). 128×128 output tile per 256-thread
+// block, 8 warps of 64×32 (4×4 mma.m16n8k8 tiles), K staged 16 rows at a time in two
+// buffers (cp.async where rows are 16-byte aligned). Shared rows are padded to 136 floats: the fragment loads
+// (row t, column g of a warp) then hit 32 distinct banks.
+#define TT_T 128
+#define TT_BK 16
+#define TT_LD (TT_T + 8)
 
-template <bool VEC>
-__device__ __forceinline__ float4 gt2_load(const float* p, int avail) {
+// Up to 4 floats from p (avail of them exist), zeros past the end: the unaligned path's loads.
+__device__ __forceinline__ float4 tt_load(const float* p, int avail) {
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (VEC) {
-        if (avail >= 4) v = __ldg((const float4*)p);
-    } else {
-        if (avail > 0) v.x = __ldg(p);
-        if (avail > 1) v.y = __ldg(p + 1);
-        if (avail > 2) v.z = __ldg(p + 2);
-        if (avail > 3) v.w = __ldg(p + 3);
-    }
+    if (avail > 0) v.x = __ldg(p);
+    if (avail > 1) v.y = __ldg(p + 1);
+    if (avail > 2) v.z = __ldg(p + 2);
+    if (avail > 3) v.w = __ldg(p + 3);
     return v;
 }
 
+// x = hi + lo with hi x rounded to TF32 (10-bit mantissa, to nearest, ties away from zero).
+__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
+    hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+typedef float TtStage[2][TT_BK][TT_LD];
+
 template <bool VEC>
-__device__ __forceinline__ void gptq_trail128_impl(float* W, const float* U, const float* err, const int* perm, int C,
-                                                   int R, int i1, int bsz) {
-    __shared__ __align__(16) float As[2][GT2_K][GT2_T];  // As[b][i] = U[i1 + b][i2 + ib + i]
-    __shared__ __align__(16) float Bs[2][GT2_K][GT2_T];  // Bs[b][r] = err[b][rb + r]
+__device__ __forceinline__ void gptq_trail_impl(TtStage& As, TtStage& Bs, float* W, const float* U, const float* err,
+                                                const int* perm, int C, int R, int k0, int kn, int row0, int row1,
+                                                int err_rows) {
+    // As[buf][b][i] = U[k0 + b][ib + i], Bs[buf][b][r] = err[b][rb + r]
     const int e = blockIdx.z;
-    const int i2 = i1 + bsz;
+    const int bsz = kn;
     W += (i64)e * C * R;
     U += (i64)e * C * C;
-    err += (i64)e * GQ_BMAX * R;
+    err += (i64)e * err_rows * R;
     if (perm) perm += (i64)e * C;
-    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
-    const int ib = i2 + blockIdx.y * GT2_T;  // first output row (processing position)
-    const int rb = blockIdx.x * GT2_T;
-    // Loader: k row lk, 4 consecutive elements at lc.
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = (warp & 1) * 64, wn = (warp >> 1) * 32;  // the warp's 64×32 of the tile
+    const int ib = row0 + blockIdx.y * TT_T;  // first output row (processing position)
+    const int rb = blockIdx.x * TT_T;
+    // Loader: rows lk and lk + 8 of a stage, 4 consecutive elements at lc.
     const int lk = tid >> 5, lc = (tid & 31) * 4;
-    const int a_avail = C - (ib + lc), b_avail = R - (rb + lc);
-    const float* ua = U + (i64)(i1 + lk) * C + ib + lc;
+    const int a_avail = row1 - (ib + lc), b_avail = R - (rb + lc);
+    const float* ua = U + (i64)(k0 + lk) * C + ib + lc;
     const float* eb = err + (i64)lk * R + rb + lc;
 
-    float acc[8][8];
+    float acc[4][4][4];
 #pragma unroll
-    for (int a = 0; a < 8; a++)
+    for (int m = 0; m < 4; m++)
 #pragma unroll
-        for (int c = 0; c < 8; c++) acc[a][c] = 0.0f;
+        for (int n = 0; n < 4; n++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[m][n][q] = 0.0f;
 
-    const int nk = (bsz + GT2_K - 1) / GT2_K;
-    float4 ra, rbv;
-    {
-        const bool ok = lk < bsz;
-        ra = gt2_load<VEC>(ua, ok ? a_avail : 0);
-        rbv = gt2_load<VEC>(eb, ok ? b_avail : 0);
-        *(float4*)&As[0][lk][lc] = ra;
-        *(float4*)&Bs[0][lk][lc] = rbv;
-    }
-    __syncthreads();
-    for (int t = 0; t < nk; t++) {
-        const int cur = t & 1;
-        if (t + 1 < nk) {
-            const int b = (t + 1) * GT2_K + lk;
-            const bool ok = b < bsz;
-            ra = gt2_load<VEC>(ua + (i64)(t + 1) * GT2_K * C, ok ? a_avail : 0);
-            rbv = gt2_load<VEC>(eb + (i64)(t + 1) * GT2_K * R, ok ? b_avail : 0);
+    // Stage `st` into buffer `buf`: cp.async (zero-filled past the edges) on the VEC path,
+    // plain loads and stores otherwise.
+    auto load_stage = [&](int st, int buf) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int off = st * TT_BK + 8 * h;
+            const bool ok = lk + off < bsz;
+            const float* pa = ua + (i64)off * C;
+            const float* pb = eb + (i64)off * R;
+            float* sa = &As[buf][lk + 8 * h][lc];
+            float* sb = &Bs[buf][lk + 8 * h][lc];
+            if (VEC) {
+                const bool oka = ok && a_avail >= 4, okb = ok && b_avail >= 4;
+                cp_async16(sa, oka ? pa : U, oka ? 16 : 0);
+                cp_async16(sb, okb ? pb : err, okb ? 16 : 0);
+            } else {
+                *(float4*)sa = tt_load(pa, ok ? a_avail : 0);
+                *(float4*)sb = tt_load(pb, ok ? b_avail : 0);
+            }
         }
-#pragma unroll
-        for (int kk = 0; kk < GT2_K; kk++) {
-            const float4 a0 = *(const float4*)&As[cur][kk][ty * 4];
-            const float4 a1 = *(const float4*)&As[cur][kk][64 + ty * 4];
-            const float4 b0 = *(const float4*)&Bs[cur][kk][tx * 4];
-            const float4 b1 = *(const float4*)&Bs[cur][kk][64 + tx * 4];
-            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float c[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-            for (int p = 0; p < 8; p++)
-#pragma unroll
-                for (int q = 0; q < 8; q++) acc[p][q] = fmaf(a[p], c[q], acc[p][q]);
+        if (VEC) cp_async_commit();
+    };
+    const int nk = (bsz + TT_BK - 1) / TT_BK;
+    load_stage(0, 0);
+    for (int st = 0; st < nk; st++) {
+        const int cur = st & 1;
+        // The other buffer was last read in iteration st - 1, before its closing barrier.
+        if (st + 1 < nk) load_stage(st + 1, cur ^ 1);
+        if (VEC) {
+            if (st + 1 < nk)
+                cp_async_wait<1>();
+            else
+                cp_async_wait<0>();
         }
-        if (t + 1 < nk) {
-            *(float4*)&As[cur ^ 1][lk][lc] = ra;
-            *(float4*)&Bs[cur ^ 1][lk][lc] = rbv;
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < TT_BK; kk += 8) {
+            u32 bh[4][2], bl[4][2];
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                tf32_split(Bs[cur][kk + t][wn + n * 8 + g], bh[n][0], bl[n][0]);
+                tf32_split(Bs[cur][kk + t + 4][wn + n * 8 + g], bh[n][1], bl[n][1]);
+            }
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                u32 ah[4], al[4];
+                const int i0 = wm + m * 16 + g;
+                tf32_split(As[cur][kk + t][i0], ah[0], al[0]);
+                tf32_split(As[cur][kk + t][i0 + 8], ah[1], al[1]);
+                tf32_split(As[cur][kk + t + 4][i0], ah[2], al[2]);
+                tf32_split(As[cur][kk + t + 4][i0 + 8], ah[3], al[3]);
+#pragma unroll
+                for (int n = 0; n < 4; n++) {
+                    mma_tf32(acc[m][n], al, bh[n][0], bh[n][1]);
+                    mma_tf32(acc[m][n], ah, bl[n][0], bl[n][1]);
+                    mma_tf32(acc[m][n], ah, bh[n][0], bh[n][1]);
+                }
+            }
         }
         __syncthreads();
     }
+    // acc[m][n] = {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)} of the m-th 16-row, n-th 8-column tile.
 #pragma unroll
-    for (int p = 0; p < 8; p++) {
-        const int i = ib + (p < 4 ? ty * 4 + p : 64 + ty * 4 + (p - 4));
-        if (i >= C) continue;
-        const i64 row = perm ? (i64)perm[i] : (i64)i;
-        float* wr = W + row * R;
+    for (int m = 0; m < 4; m++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int r = rb + h * 64 + tx * 4;
-            if (VEC) {
-                if (r + 4 > R) continue;
-                float4 v = *(float4*)&wr[r];
-                v.x = v.x - acc[p][4 * h + 0];
-                v.y = v.y - acc[p][4 * h + 1];
-                v.z = v.z - acc[p][4 * h + 2];
-                v.w = v.w - acc[p][4 * h + 3];
-                *(float4*)&wr[r] = v;
-            } else {
+            const int i = ib + wm + m * 16 + g + 8 * h;
+            if (i >= row1) continue;
+            const i64 row = perm ? (i64)perm[i] : (i64)i;
+            float* wr = W + row * R;
 #pragma unroll
-                for (int q = 0; q < 4; q++)
-                    if (r + q < R) wr[r + q] = wr[r + q] - acc[p][4 * h + q];
+            for (int n = 0; n < 4; n++) {
+                const int r = rb + wn + n * 8 + 2 * t;
+                const float d0 = acc[m][n][2 * h], d1 = acc[m][n][2 * h + 1];
+                if (VEC) {
+                    if (r + 2 > R) continue;
+                    float2 v = *(float2*)&wr[r];
+                    v.x = v.x - d0;
+                    v.y = v.y - d1;
+                    *(float2*)&wr[r] = v;
+                } else {
+                    if (r < R) wr[r] = wr[r] - d0;
+                    if (r + 1 < R) wr[r + 1] = wr[r + 1] - d1;
+                }
             }
         }
     }
 }
 
-// vec = 1 (VEC): C, R, i2 multiples of 4, U / err / W 16-byte aligned; else the scalar loads.
-extern "C" __global__ void __launch_bounds__(256, 2) gptq_trail128_f32(float* W, const float* U, const float* err,
-                                                                       const int* perm, int C, int R, int i1, int bsz,
-                                                                       int vec) {
+// vec = 1 (VEC): C, R, row0, row1 multiples of 4, U / err / W 16-byte aligned; else scalar loads.
+extern "C" __global__ void __launch_bounds__(256, 2) gptq_trail_tf32x3(float* W, const float* U, const float* err,
+                                                                       const int* perm, int C, int R, int k0, int kn,
+                                                                       int row0, int row1, int err_rows, int vec) {
+    __shared__ __align__(16) TtStage As, Bs;  // 2 × 2 × 16 × 136 floats = 34 KB, one copy for both paths
     if (vec)
-        gptq_trail128_impl<true>(W, U, err, perm, C, R, i1, bsz);
+        gptq_trail_impl<true>(As, Bs, W, U, err, perm, C, R, k0, kn, row0, row1, err_rows);
     else
-        gptq_trail128_impl<false>(W, U, err, perm, C, R, i1, bsz);
+        gptq_trail_impl<false>(As, Bs, W, U, err, perm, C, R, k0, kn, row0, row1, err_rows);
 }

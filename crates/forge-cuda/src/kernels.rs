@@ -107,7 +107,7 @@ impl Module {
                 "hessian_wg_f16",
                 "hessian_wg_bf16",
             ],
-            Module::Gptq => &["gptq_block_f32", "gptq_trail128_f32"],
+            Module::Gptq => &["gptq_block_f32", "gptq_trail_tf32x3"],
         }
     }
 }

@@ -1449,9 +1449,20 @@ pub(crate) const HESSIAN_WG_SMEM: u32 = 6 * 2 * 32 * 128 * 2 + 1024;
 /// Largest GPTQ block size the CUDA solver supports.
 pub const GPTQ_MAX_BLOCK: usize = 128;
 
-/// Bytes of the error workspace [`gptq_solve`] needs: `experts · 128 · R` floats.
-pub fn gptq_workspace_bytes(experts: usize, r: usize) -> usize {
-    experts * GPTQ_MAX_BLOCK * r * 4
+/// Columns per super-block of [`gptq_solve`] (rounded down to a multiple of the block size).
+pub const GPTQ_SUPER_BLOCK: usize = 512;
+
+/// The super-block of `block_size` columns: the largest multiple of it up to
+/// [`GPTQ_SUPER_BLOCK`], so that the blocks are the CPU solver's.
+fn gptq_super(block_size: usize) -> usize {
+    (GPTQ_SUPER_BLOCK / block_size).max(1) * block_size
+}
+
+/// Bytes of the error workspace [`gptq_solve`] needs for `experts` matrices of `c × r`
+/// (`weight_t`) at `block_size`: one super-block's scaled errors, `min(super, c) · r` floats
+/// per matrix.
+pub fn gptq_workspace_bytes(experts: usize, c: usize, r: usize, block_size: usize) -> usize {
+    experts * gptq_super(block_size.clamp(1, GPTQ_MAX_BLOCK)).min(c) * r * 4
 }
 
 /// Blocked GPTQ (docs/numerics.md) on `experts` matrices of one shape, in place:
@@ -1459,6 +1470,11 @@ pub fn gptq_workspace_bytes(experts: usize, r: usize) -> usize {
 /// `u`: f32 `[E, C, C]` upper Cholesky factor of H⁻¹ (processing order), `qmeta`:
 /// u32 `[E, R, ceil(C/G)]`, `perm`: i32 `[E, C]` or 0, `codes`: u8 `[E, C, R]` (original
 /// order), `err_ws`: f32 workspace of [`gptq_workspace_bytes`]. `block_size` ≤ 128.
+///
+/// The trailing updates are lazy at two levels: a block's errors update only the rest of its
+/// super-block (about 4 blocks); a super-block's errors then update all later rows in one
+/// product of depth `super`, so each later row of W is read and written once per super-block
+/// instead of once per block (the same products, summed in another order).
 ///
 /// # Safety
 /// See the module documentation.
@@ -1495,47 +1511,65 @@ pub unsafe fn gptq_solve(
     }
     let dev = dev_of(s)?;
     let fb = dev.function("gptq_block_f32")?;
-    let ft = dev.function("gptq_trail128_f32")?;
-    let vec_base =
+    let ft = dev.function("gptq_trail_tf32x3")?;
+    let aligned =
         [u, err_ws, w].iter().all(|&p| p % 16 == 0) && c.is_multiple_of(4) && r.is_multiple_of(4);
     let ee = to_i32("experts", experts)? as u32;
     let (ci, ri) = (to_i32("c", c)?, to_i32("r", r)?);
-    let mut i1 = 0usize;
-    while i1 < c {
-        let bsz = block_size.min(c - i1);
-        let (mut pw, mut pu, mut pq, mut pp, mut pc, mut pe) = (w, u, qmeta, perm, codes, err_ws);
-        let (mut cc, mut rr, mut g, mut bits, mut ii, mut bb) = (
-            ci,
-            ri,
-            spec.group_size as i32,
-            spec.bits as i32,
-            i1 as i32,
-            bsz as i32,
-        );
-        let mut p = args!(pw, pu, pq, pp, pc, pe, cc, rr, g, bits, ii, bb);
-        // SAFETY: parameter list matches gptq_block_f32.
-        unsafe {
-            launch(
-                dev,
-                fb,
-                (blocks(r, 64)?, ee, 1),
-                (64, 1, 1),
-                0,
-                s.handle,
-                &mut p,
-            )?
-        };
-        let i2 = i1 + bsz;
-        if i2 < c {
-            let (mut pw, mut pu, mut pe, mut pp) = (w, u, err_ws, perm);
-            let (mut cc, mut rr, mut ii, mut bb) = (ci, ri, i1 as i32, bsz as i32);
-            let mut vec = (vec_base && i2.is_multiple_of(4)) as i32;
-            let grid = (blocks(r, 128)?, blocks(c - i2, 128)?, ee);
-            let mut p = args!(pw, pu, pe, pp, cc, rr, ii, bb, vec);
-            // SAFETY: parameter list matches gptq_trail128_f32.
-            unsafe { launch(dev, ft, grid, (256, 1, 1), 0, s.handle, &mut p)? };
+    let sup = gptq_super(block_size);
+    let err_rows = to_i32("err rows", sup.min(c))?;
+    // W[row0..row1] -= U[k0..k0+kn, row0..row1]ᵀ · Err[0..kn], Err starting at column k0's row.
+    let trail = |k0: usize, kn: usize, row0: usize, row1: usize, err: u64| -> Result<()> {
+        let (mut pw, mut pu, mut pe, mut pp) = (w, u, err, perm);
+        let (mut cc, mut rr, mut er) = (ci, ri, err_rows);
+        let (mut k0i, mut kni) = (k0 as i32, kn as i32);
+        let (mut r0, mut r1) = (row0 as i32, row1 as i32);
+        let mut vec = (aligned && row0.is_multiple_of(4) && row1.is_multiple_of(4)) as i32;
+        let grid = (blocks(r, 128)?, blocks(row1 - row0, 128)?, ee);
+        let mut p = args!(pw, pu, pe, pp, cc, rr, k0i, kni, r0, r1, er, vec);
+        // SAFETY: parameter list matches gptq_trail_tf32x3.
+        unsafe { launch(dev, ft, grid, (256, 1, 1), 0, s.handle, &mut p) }
+    };
+    let mut s1 = 0usize;
+    while s1 < c {
+        let s2 = (s1 + sup).min(c);
+        let mut i1 = s1;
+        while i1 < s2 {
+            let bsz = block_size.min(s2 - i1);
+            let err = err_ws + ((i1 - s1) * r * 4) as u64;
+            let (mut pw, mut pu, mut pq, mut pp, mut pc, mut pe) = (w, u, qmeta, perm, codes, err);
+            let (mut cc, mut rr, mut g, mut bits, mut ii, mut bb, mut er) = (
+                ci,
+                ri,
+                spec.group_size as i32,
+                spec.bits as i32,
+                i1 as i32,
+                bsz as i32,
+                err_rows,
+            );
+            let mut p = args!(pw, pu, pq, pp, pc, pe, cc, rr, g, bits, ii, bb, er);
+            // SAFETY: parameter list matches gptq_block_f32.
+            unsafe {
+                launch(
+                    dev,
+                    fb,
+                    (blocks(r, 64)?, ee, 1),
+                    (64, 1, 1),
+                    0,
+                    s.handle,
+                    &mut p,
+                )?
+            };
+            let i2 = i1 + bsz;
+            if i2 < s2 {
+                trail(i1, bsz, i2, s2, err)?;
+            }
+            i1 = i2;
         }
-        i1 = i2;
+        if s2 < c {
+            trail(s1, s2 - s1, s2, c, err_ws)?;
+        }
+        s1 = s2;
     }
     Ok(())
 }

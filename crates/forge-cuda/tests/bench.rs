@@ -311,7 +311,7 @@ fn bench_all() {
     let du = DeviceBuf::from_slice(0, &us).unwrap();
     let dq = DeviceBuf::from_slice(0, &qmv).unwrap();
     let dc = DeviceBuf::zeroed(0, e * c * rr).unwrap();
-    let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, rr)).unwrap();
+    let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, c, rr, 128)).unwrap();
     let ms = time_ms(0, 0, 0, 1, || unsafe {
         ops::gptq_solve(
             dw.ptr(),
@@ -383,7 +383,7 @@ fn bench_gptq_batched() {
             }
         }
         let dc = DeviceBuf::zeroed(0, e * c * rr).unwrap();
-        let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, rr)).unwrap();
+        let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, c, rr, 128)).unwrap();
         let ms = time_ms(0, 0, 1, 2, || unsafe {
             ops::gptq_solve(
                 dw.ptr(),

@@ -873,7 +873,10 @@ fn gptq_solver_matches_cpu() {
         (256usize, 128usize, 128usize, 3usize, false),
         (384, 96, 64, 2, true),
         (200, 64, 32, 2, false),
-        (198, 50, 32, 2, true), // C, R not multiples of 4: scalar paths of gptq_trail128
+        (198, 50, 32, 2, true), // C, R not multiples of 4: scalar paths of gptq_trail_tf32x3
+        // Past one super-block (512 columns): the super-block's own trailing product.
+        (640, 96, 128, 2, false),
+        (650, 40, 64, 1, true),
         // One block (no trailing GEMM): bit-identical to the CPU. 100 = 12 sub-blocks of 8
         // and a partial one; the second expert has zero coefficients in U (the kernel's
         // tested path, as forge-core skips them).
@@ -935,7 +938,7 @@ fn gptq_solver_matches_cpu() {
         let dq = DeviceBuf::from_slice(0, &qms).unwrap();
         let dp = DeviceBuf::from_slice(0, &perms).unwrap();
         let dc = DeviceBuf::zeroed(0, e * c * r).unwrap();
-        let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, r)).unwrap();
+        let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, c, r, 128)).unwrap();
         let pp = if act { dp.ptr() } else { 0 };
         unsafe {
             ops::gptq_solve(
@@ -965,9 +968,15 @@ fn gptq_solver_matches_cpu() {
         }
         eprintln!("gptq c{c} r{r} g{g} e{e} act_order={act}: equal codes {:.5}, max |W_gpu - W_cpu| {max_dw:.3e}", frac);
         if c <= 128 {
-            assert_eq!(codes, cpu_codes, "c{c} r{r}: one block, codes must be identical");
+            assert_eq!(
+                codes, cpu_codes,
+                "c{c} r{r}: one block, codes must be identical"
+            );
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert!(bits(&w_out) == bits(&cpu_w), "c{c} r{r}: one block, W must be identical");
+            assert!(
+                bits(&w_out) == bits(&cpu_w),
+                "c{c} r{r}: one block, W must be identical"
+            );
         }
         assert!(frac >= 0.999, "only {frac} of the codes agree");
     }

@@ -223,7 +223,7 @@ pub fn gptq_solve<'py>(
     let (codes, cp) = empty_on(py, &[experts, c, r], DType::U8, w)?;
     let (_ws, wsp) = empty_on(
         py,
-        &[cu::gptq_workspace_bytes(experts, r) / 4],
+        &[cu::gptq_workspace_bytes(experts, c, r, block_size) / 4],
         DType::F32,
         w,
     )?;
