@@ -18,6 +18,24 @@
 // w − c·e as the CPU computes it (separate multiply and subtract), skipped where c == 0.
 __device__ __forceinline__ float gq_axpy(float w, float c, float e) { return c != 0.0f ? w - c * e : w; }
 
+// Rows [k0, k1) of this thread's column of the block: w −= c·ev[jj] for jj in increasing
+// order, c = U[i1 + s0 + jj][i1 + k] from Us. DENSE: every coefficient is nonzero, so the zero
+// test (forge-core skips zero coefficients) can go.
+template <bool DENSE>
+__device__ __forceinline__ void gq_rank_update(float (&Ws)[GQ_BMAX][GQ_THREADS], const float (&Us)[GQ_BMAX][GQ_SUB],
+                                               int tid, int k0, int k1, const float (&ev)[GQ_SUB]) {
+#pragma unroll 4
+    for (int k = k0; k < k1; k++) {
+        const float4 c0 = *(const float4*)&Us[k][0];
+        const float4 c1 = *(const float4*)&Us[k][4];
+        const float cs[GQ_SUB] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        float w = Ws[k][tid];
+#pragma unroll
+        for (int jj = 0; jj < GQ_SUB; jj++) w = DENSE ? w - cs[jj] * ev[jj] : gq_axpy(w, cs[jj], ev[jj]);
+        Ws[k][tid] = w;
+    }
+}
+
 // Each row of the block receives its updates in processing order (row k from every j < k, in
 // increasing j) whether they come from inside its sub-block or from an earlier sub-block's
 // rank update, so the values equal forge-core's row-by-row loop bit for bit. Per update the
@@ -98,28 +116,10 @@ extern "C" __global__ void __launch_bounds__(GQ_THREADS) gptq_block_f32(
         for (int jj = 0; jj < GQ_SUB; jj++)
             if (jj < sn) Ws[s0 + jj][tid] = x[jj];
         // Rank-GQ_SUB update of the later rows (none after a partial, i.e. last, sub-block).
-        if (dense) {
-#pragma unroll 4
-            for (int k = s0 + GQ_SUB; k < bsz; k++) {
-                const float4 c0 = *(const float4*)&Us[k][0];
-                const float4 c1 = *(const float4*)&Us[k][4];
-                const float cs[GQ_SUB] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-                float w = Ws[k][tid];
-#pragma unroll
-                for (int jj = 0; jj < GQ_SUB; jj++) w = w - cs[jj] * ev[jj];
-                Ws[k][tid] = w;
-            }
-        } else {
-            for (int k = s0 + GQ_SUB; k < bsz; k++) {
-                const float4 c0 = *(const float4*)&Us[k][0];
-                const float4 c1 = *(const float4*)&Us[k][4];
-                const float cs[GQ_SUB] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-                float w = Ws[k][tid];
-#pragma unroll
-                for (int jj = 0; jj < GQ_SUB; jj++) w = gq_axpy(w, cs[jj], ev[jj]);
-                Ws[k][tid] = w;
-            }
-        }
+        if (dense)
+            gq_rank_update<true>(Ws, Us, tid, s0 + GQ_SUB, bsz, ev);
+        else
+            gq_rank_update<false>(Ws, Us, tid, s0 + GQ_SUB, bsz, ev);
     }
     if (ok) {
         for (int jj = 0; jj < bsz; jj++) {
