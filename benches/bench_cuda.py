@@ -151,10 +151,11 @@ def bench_pack(rows, bw):
             )
 
 
-def kernel_us(fn, prefix: str, calls: int = 20) -> float:
+def kernel_us(fn, prefix: str, calls: int = 20, per_call: bool = False) -> float:
     """Mean device time (µs) of the CUDA kernels whose name starts with ``prefix`` over
     ``calls`` calls of ``fn``, from torch.profiler (CUPTI sees the NVRTC kernels too): the
-    kernel alone, without the API's argument checks around it."""
+    kernel alone, without the API's argument checks around it. ``per_call``: the sum of all
+    such kernels per call of ``fn`` (a call that launches many) instead of the mean launch."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -165,7 +166,7 @@ def kernel_us(fn, prefix: str, calls: int = 20) -> float:
             fn()
         torch.cuda.synchronize()
     us = [e.device_time for e in prof.events() if e.name.startswith(prefix)]
-    return sum(us) / max(len(us), 1)
+    return sum(us) / (calls if per_call else max(len(us), 1))
 
 
 def bench_grid(rows, bw):
@@ -297,6 +298,11 @@ def bench_gptq(rows, batch):
             diff = float((deq.transpose(1, 2) - ref).abs().max() / sc.max())
             flops = 2 * n * k * k * e
             label = "fasterquant loop" if e == 1 else f"bmm loop, {e} experts"
+            # where the solve's time goes: the in-block kernel and the trailing products
+            split = {
+                f"{name}_kernel_ms": kernel_us(ours, f"gptq_{name}", calls=1, per_call=True) / 1e3
+                for name in ("block", "trail")
+            }
             rows.add(
                 "gptq",
                 f"{n}x{k} x{e}",
@@ -306,6 +312,7 @@ def bench_gptq(rows, batch):
                 per_matrix_ms=t_ours * 1e3 / e,
                 tflops=flops / t_ours / 1e12,
                 max_diff_in_scales=diff,
+                **split,
             )
             del w, u, qm, wt
 
@@ -499,6 +506,8 @@ def print_row(r):
         extra += f"  {r['per_matrix_ms']:.2f} ms/matrix"
     if "tflops" in r:
         extra += f" {r['tflops']:.1f} TFLOP/s"
+    if "block_kernel_ms" in r:
+        extra += f" (in-block kernels {r['block_kernel_ms']:.1f} ms, trailing {r['trail_kernel_ms']:.1f} ms)"
     if "extra_mem_x_hessians" in r:
         extra += (
             f"  extra memory {r['extra_mem_x_hessians']:.2f}x H (peer {r['peer_extra_mem_x_hessians']:.2f}x)"
