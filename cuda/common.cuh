@@ -272,7 +272,7 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return r;
 }
 
-// ---- tensor cores (sm_80+): cp.async, ldmatrix, mma.sync m16n8k16 with fp32 accumulate ----
+// ---- tensor cores (sm_80+): cp.async, ldmatrix, mma.sync (m16n8k8 TF32, m16n8k16 f16/bf16), fp32 accumulate ----
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
 }
@@ -290,6 +290,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const void* smem) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_u32(smem)));
+}
+
+// d += a·b, mma.m16n8k8 with TF32 operands (the MMA reads each register's top 19 bits) and
+// fp32 accumulate.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 template <bool BF>

@@ -159,14 +159,6 @@ __device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
     lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 typedef float TtStage[2][TT_BK][TT_LD];
 
 template <bool VEC>
@@ -175,7 +167,6 @@ __device__ __forceinline__ void gptq_trail_impl(TtStage& As, TtStage& Bs, float*
                                                 int err_rows) {
     // As[buf][b][i] = U[k0 + b][ib + i], Bs[buf][b][r] = err[b][rb + r]
     const int e = blockIdx.z;
-    const int bsz = kn;
     W += (i64)e * C * R;
     U += (i64)e * C * C;
     err += (i64)e * err_rows * R;
@@ -205,7 +196,7 @@ __device__ __forceinline__ void gptq_trail_impl(TtStage& As, TtStage& Bs, float*
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int off = st * TT_BK + 8 * h;
-            const bool ok = lk + off < bsz;
+            const bool ok = lk + off < kn;
             const float* pa = ua + (i64)off * C;
             const float* pb = eb + (i64)off * R;
             float* sa = &As[buf][lk + 8 * h][lc];
@@ -221,7 +212,7 @@ __device__ __forceinline__ void gptq_trail_impl(TtStage& As, TtStage& Bs, float*
         }
         if (VEC) cp_async_commit();
     };
-    const int nk = (bsz + TT_BK - 1) / TT_BK;
+    const int nk = (kn + TT_BK - 1) / TT_BK;
     load_stage(0, 0);
     for (int st = 0; st < nk; st++) {
         const int cur = st & 1;

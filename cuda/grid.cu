@@ -121,15 +121,14 @@ __device__ __forceinline__ int mse_search(const float* buf, int G, int lane, con
         const int m = min(32, n_grid - c0);
         for (int j = 0; j < m; j++) {
             const int q = __shfl_sync(0xffffffffu, lane_q, j);
-            const float s = __shfl_sync(0xffffffffu, lane_s, j);
-            const float inv = __shfl_sync(0xffffffffu, lane_inv, j);
+            // The candidate's grid: its stored scale, the base grid's zero point and maxq.
+            GroupParams pc = p0;
+            pc.scale = __shfl_sync(0xffffffffu, lane_s, j);
+            pc.inv = __shfl_sync(0xffffffffu, lane_inv, j);
             float acc = 0.0f;
             for (int i = lane; i < G; i += 32) {
                 const float xv = buf[i];
-                float t = xv * inv;
-                t = rint_clamp(t + p0.zero, p0.maxq);
-                float e = (t - p0.zero) * s;
-                e = e - xv;
+                const float e = dequant(quant_code(xv, pc), pc) - xv;
                 acc = acc + (L2 ? e * e : pow_p(fabsf(e), norm));
             }
 #pragma unroll
