@@ -4,7 +4,7 @@
 use crate::dtype::{check_finite, Element};
 use crate::error::{check_len, Error, Result};
 use crate::pmath::pow_p;
-use crate::qmeta::{decode_scale, encode_log2_q88, QMeta, FLAG_SYMMETRIC};
+use crate::qmeta::{decode_scale, encode_log2_q88, GroupParams, QMeta, FLAG_SYMMETRIC};
 use multiversion::multiversion;
 use rayon::prelude::*;
 
@@ -242,12 +242,14 @@ pub fn build_range<T: Element>(
 /// FMA and a libm call without it.
 #[inline(always)]
 pub fn candidate_loss(group: &[f32], scale: f32, zero: f32, maxq: f32, norm: f32) -> f32 {
-    let inv = 1.0 / scale;
-    let mut lanes = [0f32; LANES];
-    let err = |x: f32| {
-        let q = (x * inv + zero).round_ties_even().clamp(0.0, maxq);
-        (q - zero) * scale - x
+    let p = GroupParams {
+        scale,
+        inv_scale: 1.0 / scale,
+        zero,
+        maxq,
     };
+    let mut lanes = [0f32; LANES];
+    let err = |x: f32| p.dequant(p.code(x)) - x;
     if norm == 2.0 {
         for chunk in group.chunks_exact(LANES) {
             for (acc, &x) in lanes.iter_mut().zip(chunk) {
