@@ -35,6 +35,18 @@ macro_rules! with_elements {
             }
         }
     }};
+    // With optional FP8 block scales (`&Option<Tensor>`): `$slice` is the weight dequantized
+    // to f32 when they are given (`dequantized_cpu`), else its stored elements as above.
+    ($py:expr, $t:expr, $scales:expr, |$slice:ident| $body:expr) => {{
+        match $scales {
+            Some(b) => {
+                let v = dequantized_cpu($py, &$t, b)?;
+                let $slice: &[f32] = &v;
+                $body
+            }
+            None => with_elements!($t, |$slice| $body),
+        }
+    }};
 }
 
 /// Converts a Python integer argument to an unsigned size, naming it on failure.
@@ -189,17 +201,11 @@ pub fn build_quant_grid<'py>(
         let t = cuda_ops::build_quant_grid(&w, bs.as_ref(), &s, gm)?;
         return Ok((t, s.maxq(), s.pad(cols)));
     }
-    let r = match &bs {
-        Some(b) => {
-            let x = dequantized_cpu(py, &w, b)?;
-            detach_guarded(py, "build_quant_grid", || {
-                grid::build_quant_grid(&x, rows, cols, &s, gm)
-            })?
-        }
-        None => with_elements!(w, |x| detach_guarded(py, "build_quant_grid", || {
-            grid::build_quant_grid(x, rows, cols, &s, gm)
-        })?),
-    };
+    let r = with_elements!(py, w, &bs, |x| detach_guarded(
+        py,
+        "build_quant_grid",
+        || { grid::build_quant_grid(x, rows, cols, &s, gm) }
+    )?);
     let (q, maxq, pad) = r.map_err(|e| core_err(py, e))?;
     let t = from_vec(py, &qmeta_bytes(&q), &[rows, s.groups(cols), 4], DType::U8)?;
     Ok((t, maxq, pad))
@@ -488,17 +494,11 @@ pub fn quantize_pack_awq<'py>(
         return cuda_ops::quantize_pack_awq(&w, &q, bs.as_ref(), &s);
     }
     let (s, qm) = pack_spec(py, qmeta, k, n, group_size)?;
-    let r = match &bs {
-        Some(b) => {
-            let x = dequantized_cpu(py, &w, b)?;
-            detach_guarded(py, "quantize_pack_awq", || {
-                pack::quantize_pack_awq(&x, &qm, n, k, &s)
-            })?
-        }
-        None => with_elements!(w, |x| detach_guarded(py, "quantize_pack_awq", || {
-            pack::quantize_pack_awq(x, &qm, n, k, &s)
-        })?),
-    };
+    let r = with_elements!(py, w, &bs, |x| detach_guarded(
+        py,
+        "quantize_pack_awq",
+        || { pack::quantize_pack_awq(x, &qm, n, k, &s) }
+    )?);
     let a = r.map_err(|e| core_err(py, e))?;
     awq_out(py, a, k, n, group_size)
 }
