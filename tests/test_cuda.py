@@ -267,6 +267,43 @@ def test_cuda_rejects_bad_input():
         forge.quantize_pack_awq(torch.randn(8, 64, device="cuda"), qmeta, 32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, -1, 1000])
+def test_cuda_finiteness_check_finds_one_bad_element(dtype, bad, where):
+    """One NaN or Inf anywhere (first, last or inner element) of a CUDA input is refused,
+    naming the input; the same input without it passes (large finite values included)."""
+    w = torch.randn(16, 128, device="cuda").to(dtype)
+    w[0, 0] = torch.finfo(dtype).max
+    w[1, 1] = -torch.finfo(dtype).max
+    forge.build_quant_grid(w, 32)
+    w.view(-1)[where] = bad
+    with pytest.raises(forge.errors.InvalidValueError, match="weight"):
+        forge.build_quant_grid(w, 32)
+    # the batched GPTQ solve checks weight_t and hinv_chol
+    e, c, r = 2, 64, 32
+    wt = torch.randn(e, c, r, device="cuda")
+    u = torch.eye(c, device="cuda").expand(e, c, c).contiguous()
+    qm = torch.stack([forge.build_quant_grid(wt[i].T.contiguous(), 32)[0] for i in range(e)])
+    forge.gptq_solve_batched(wt, u, qm, 4, 32, 32)
+    for name, t in (("weight_t", wt), ("hinv_chol", u)):
+        t2 = t.clone()
+        t2.view(-1)[where] = bad
+        args = (t2, u) if name == "weight_t" else (wt, t2)
+        with pytest.raises(forge.errors.InvalidValueError, match=name):
+            forge.gptq_solve_batched(*args, qm, 4, 32, 32)
+
+
+def test_cuda_fp8_nan_byte_refused():
+    w = torch.randn(16, 128, device="cuda").to(torch.float8_e4m3fn)
+    forge.build_quant_grid(w, 32)
+    for byte in (0x7F, 0xFF):
+        bad = w.clone()
+        bad.view(torch.uint8)[5, 77] = byte
+        with pytest.raises(forge.errors.InvalidValueError, match="weight"):
+            forge.build_quant_grid(bad, 32)
+
+
 def test_quantize_model_on_cuda_is_byte_identical(tmp_path):
     """A whole (tiny) checkpoint quantized on the GPU gives the same files as on the CPU."""
     from tiny_models import make_fp8_variant, make_model

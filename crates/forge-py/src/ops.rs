@@ -103,10 +103,11 @@ fn weight_2d<'py>(name: &'static str, obj: &Bound<'py, PyAny>) -> PyResult<Tenso
 
 /// The optional `scale_inv` of an FP8 `weight (N, K)` (DeepSeek's `weight_scale_inv`):
 /// float32 `(ceil(N/128), ceil(K/128))` on the weight's device, element `[r, c]` of the weight
-/// being `e4m3(byte) · scale_inv[r / 128, c / 128]`.
+/// being `e4m3(byte) · scale_inv[r / 128, c / 128]`. `check_finite`: refuse NaN or Inf scales.
 fn block_scales<'py>(
     scale_inv: Option<&Bound<'py, PyAny>>,
     w: &Tensor<'py>,
+    check_finite: bool,
 ) -> PyResult<Option<Tensor<'py>>> {
     let Some(obj) = scale_inv else {
         return Ok(None);
@@ -129,12 +130,15 @@ fn block_scales<'py>(
         &[w.shape[0].div_ceil(b), w.shape[1].div_ceil(b)],
         "(ceil(N/128), ceil(K/128)) for weight (N, K)",
     )?;
-    if s.is_cuda() {
-        s.require_finite_cuda()?;
-    } else {
-        // SAFETY: a CPU f32 tensor (checked above), alive while `s` is.
-        forge_core::dtype::check_finite("scale_inv", unsafe { s.slice::<f32>() })
-            .map_err(|e| core_err(w.obj.py(), e))?;
+    // Unchecked when the caller built the grid from the same weight and scales (it checked).
+    if check_finite {
+        if s.is_cuda() {
+            s.require_finite_cuda()?;
+        } else {
+            // SAFETY: a CPU f32 tensor (checked above), alive while `s` is.
+            forge_core::dtype::check_finite("scale_inv", unsafe { s.slice::<f32>() })
+                .map_err(|e| core_err(w.obj.py(), e))?;
+        }
     }
     Ok(Some(s))
 }
@@ -189,7 +193,7 @@ pub fn build_quant_grid<'py>(
         }
     };
     let (rows, cols) = (w.shape[0], w.shape[1]);
-    let bs = block_scales(scale_inv, &w)?;
+    let bs = block_scales(scale_inv, &w, true)?;
     if w.is_cuda() {
         if rows == 0 || cols == 0 {
             return Err(raise(
@@ -485,7 +489,7 @@ pub fn quantize_pack_awq<'py>(
     let group_size = size_arg(py, "group_size", group_size, 1, 1 << 20)?;
     let w = weight_2d("weight", weight)?;
     let (n, k) = (w.shape[0], w.shape[1]);
-    let bs = block_scales(scale_inv, &w)?;
+    let bs = block_scales(scale_inv, &w, check_finite)?;
     if w.is_cuda() {
         let (s, q) = pack_spec_cuda(py, qmeta, &w, k, n, group_size)?;
         if check_finite {

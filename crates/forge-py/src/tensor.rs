@@ -146,21 +146,32 @@ impl<'py> Tensor<'py> {
     }
 
     /// Errors if a CUDA tensor holds NaN or Inf (CPU tensors are checked by the core).
+    ///
+    /// One reduction pass over the tensor and one sync: the minimum and maximum (`aminmax`
+    /// propagates NaN, and ±Inf is its own extreme) are finite exactly when every element is.
+    /// `isfinite(x).all()` made five passes and a bool copy of x (31 ms of a 171 ms batched
+    /// GPTQ solve on an H100, whose 13 GB of U it read).
     pub fn require_finite_cuda(&self) -> PyResult<()> {
         let torch = self.obj.py().import("torch")?;
+        if self.shape.contains(&0) {
+            return Ok(());
+        }
         let finite: bool = if self.dtype == DType::F8E4M3 {
-            // e4m3fn has no infinities; NaN is 0x7F / 0xFF (torch.isfinite has no fp8 kernel)
+            // e4m3fn has no infinities; NaN is 0x7F / 0xFF (torch has no fp8 reductions)
             let bytes = self.obj.call_method1("view", (torch.getattr("uint8")?,))?;
-            let nan = bytes
+            let top: i64 = bytes
                 .call_method1("bitwise_and", (0x7F,))?
-                .call_method1("eq", (0x7F,))?
-                .call_method0("any")?
+                .call_method0("amax")?
                 .call_method0("item")?
-                .extract::<bool>()?;
-            !nan
+                .extract()?;
+            top != 0x7F
         } else {
+            let (lo, hi) = torch
+                .call_method1("aminmax", (&self.obj,))?
+                .extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>()?;
             torch
-                .call_method1("isfinite", (&self.obj,))?
+                .call_method1("stack", ((lo, hi),))?
+                .call_method0("isfinite")?
                 .call_method0("all")?
                 .call_method0("item")?
                 .extract()?
