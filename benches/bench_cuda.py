@@ -96,7 +96,7 @@ def bench_gemm(rows, bw):
         # tinygemm: w = (q - 8) * s + zp  ->  zp = (8 - z) * s
         sz = torch.stack([s, (8 - zeros) * s], dim=-1).contiguous()  # (K/G, N, 2)
         limit = (qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2) / bw
-        for m in (1, 16, 128):
+        for m in (1, 16, 64, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf16 = graph_time(lambda x=x: x @ w.t())
             t_tiny = graph_time(lambda x=x: torch.ops.aten._weight_int4pack_mm(x, w_int4, G, sz))

@@ -292,6 +292,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const void* smem) {
                  : "r"(smem_u32(smem)));
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Hopper wgmma shared-memory matrix descriptor: 128-byte swizzle, 8-row groups 1024 bytes
+// apart (SBO), `lbo` bytes between the two halves of an MN-major operand (unused by K-major).
+__device__ __forceinline__ u64 hw_desc(const void* p, u32 lbo) {
+    const u64 a = smem_u32(p);
+    return ((a & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+#endif
+
 // d += a·b, mma.m16n8k8 with TF32 operands (the MMA reads each register's top 19 bits) and
 // fp32 accumulate.
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {

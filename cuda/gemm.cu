@@ -50,6 +50,24 @@ __device__ __forceinline__ u32 dq2(u32 v, u32 zm, u32 s2) {
     return d;
 }
 
+// dq2's constants for nibble i of a group's zero-point word zw, whose column has the f16
+// scale bits `hs`: zm = the magic-biased −zero (bf16: −(128 + z); f16: 1024 + z) and s2 = the
+// scale in the activation dtype, each in both halves.
+template <bool BF>
+__device__ __forceinline__ void dq_consts(u32 zw, int i, u32 hs, u32& zm, u32& s2) {
+    const u32 z = (zw >> (4 * i)) & 15u;
+    if (BF) {
+        const u32 nz = 0xC300u | z;
+        zm = nz | (nz << 16);
+        const u32 b = f32_to_bf16_rn(f16_to_f32((u16)hs));
+        s2 = b | (b << 16);
+    } else {
+        const u32 mz = 0x6400u | z;
+        zm = mz | (mz << 16);
+        s2 = hs | (hs << 16);
+    }
+}
+
 template <int MT> struct GemmStages { static constexpr int value = MT == 1 ? 6 : (MT == 2 ? 5 : 4); };
 
 template <int MT, bool BF>
@@ -141,20 +159,7 @@ __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const 
                               sv.z & 0xFFFF, sv.z >> 16, sv.w & 0xFFFF, sv.w >> 16};
             const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                u32 z = (zw >> (4 * i)) & 15u;
-                u32 hs = h[order[i]];
-                if (BF) {
-                    u32 nz = 0xC300u | z;
-                    zm[i] = nz | (nz << 16);
-                    u32 b = f32_to_bf16_rn(f16_to_f32((u16)hs));
-                    s2[i] = b | (b << 16);
-                } else {
-                    u32 mz = 0x6400u | z;
-                    zm[i] = mz | (mz << 16);
-                    s2[i] = hs | (hs << 16);
-                }
-            }
+            for (int i = 0; i < 8; i++) dq_consts<BF>(zw, i, h[order[i]], zm[i], s2[i]);
         }
 #pragma unroll
         for (int s = 0; s < 2; s++) {
@@ -223,6 +228,209 @@ FORGE_GEMM_ENTRY(f16, 4, false)
 FORGE_GEMM_ENTRY(bf16, 1, true)
 FORGE_GEMM_ENTRY(bf16, 2, true)
 FORGE_GEMM_ENTRY(bf16, 4, true)
+
+// ---- Hopper: wgmma (sm_90a), M > 16 --------------------------------------------------------
+// yᵀ = W · xᵀ per block: 128 outputs n (16 word columns) × 128 rows of x (tokens), one warpgroup.
+// The weights are the MMA's A operand, dequantized into registers; x is B, read by the MMA from
+// shared memory (K-major, 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)).
+// A thread (warp w, groupID g, thread-in-group t) owns word column 4w + g%4 and reads its words
+// at k = 2t, 2t+1, 2t+8, 2t+9 of each 16-deep step; with h = g/4, its rows g and g+8 of MMA tile
+// j (two m64 tiles) are the outputs of nibbles 4j + 2h and 4j + 2h + 1 of that column, so each
+// word feeds both tiles and the dequantization (dq2) is the tiled kernel's. K moves 64 at a time
+// through a WG_ST-stage cp.async pipeline; each 16-deep step is one MMA group, and three stay in
+// flight while the next steps' fragments are dequantized (four register buffers). Needs N % 128 == 0,
+// K % 64 == 0 and G % 64 == 0 (ops.rs routes other shapes to the tiled kernel). Split-K as there.
+#define WG_T 128
+#define WG_BK 64
+#define WG_ST 4
+#define WG_WSTR 20                      // words per k row of a weight stage (16 + 4: no bank conflicts)
+#define WG_XBYTES (WG_T * WG_BK * 2)    // one x stage: 128 rows of 128 bytes
+#define WG_WWORDS (WG_BK * WG_WSTR)     // one weight stage
+#define WG_MWORDS 80                    // one stage's group metadata: 16 zero words, 128 f16 scales
+#define WG_EPI_STR 132                  // floats per row of the epilogue's [128 tokens][128 n] tile
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <bool BF>
+__device__ __forceinline__ void wgmma_rs_m64n128k16(float d[64], const u32 a[4], u64 db) {
+    if (BF) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+    }
+}
+// Marks registers as used (and changed) here, so that their values, read by MMAs still in
+// flight, are not moved and their registers not given to other values before this point.
+__device__ __forceinline__ void wg_keep(u32 (&r)[8]) {
+    asm volatile("" : "+r"(r[0]), "+r"(r[1]), "+r"(r[2]), "+r"(r[3]), "+r"(r[4]), "+r"(r[5]), "+r"(r[6]), "+r"(r[7]));
+}
+#endif
+
+template <bool BF>
+__device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
+                                              const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
+                                              int M, int N, int K, int G, int k_chunk, int split_out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(16) u8 wg_smem[];
+    // x stages first, each on a 1024-byte boundary (where the swizzle pattern repeats).
+    u8* Xs = wg_smem + ((1024 - (smem_u32(wg_smem) & 1023)) & 1023);
+    u32* Ws = (u32*)(Xs + WG_ST * WG_XBYTES);
+    u32* Ms = Ws + WG_ST * WG_WWORDS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3, h = g >> 2;
+    const int NW = N >> 3;
+    const int wc0 = blockIdx.x * 16;
+    const int m0 = blockIdx.y * WG_T;
+    const int kbeg = blockIdx.z * k_chunk;
+    const int kend = min(K, kbeg + k_chunk);
+    const int ntiles = (kend - kbeg) / WG_BK;
+
+    auto load_stage = [&](int stage, int tt) {
+        const int k0 = kbeg + tt * WG_BK;
+        u8* xs = Xs + stage * WG_XBYTES;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int c = tid + 128 * i;
+            const int r = c >> 3, ch = c & 7;
+            const bool ok = m0 + r < M;
+            const u16* src = ok ? x + (i64)(m0 + r) * K + k0 + 8 * ch : x;
+            cp_async16(xs + r * 128 + ((ch ^ (r & 7)) << 4), src, ok ? 16 : 0);
+        }
+        u32* ws = Ws + stage * WG_WWORDS;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int c = tid + 128 * i;
+            const int r = c >> 2, ch = c & 3;
+            cp_async16(ws + r * WG_WSTR + 4 * ch, qw + (i64)(k0 + r) * NW + wc0 + 4 * ch, 16);
+        }
+        if (tid < 20) {
+            const int grp = k0 / G;
+            u32* ms = Ms + stage * WG_MWORDS;
+            if (tid < 4) cp_async16(ms + 4 * tid, qz + (i64)grp * NW + wc0 + 4 * tid, 16);
+            else cp_async16(ms + 16 + 4 * (tid - 4), sc + (i64)grp * N + 8 * (wc0 + tid - 4), 16);
+        }
+    };
+
+    float acc[2][64];
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[j][i] = 0.0f;
+
+    const int col = 4 * warp + (g & 3);  // this thread's word column within the block
+    const u32 MAGIC = BF ? 0x43004300u : 0x64006400u;
+    const u32 sh = 8 * h;
+    u32 zm[4], s2[4];  // nibbles 2h, 2h+1 (tile 0) and 4+2h, 5+2h (tile 1)
+    int cur_grp = -1;
+    // A fragments of the two m64 tiles for each 16-deep step of a stage: the MMAs read them
+    // asynchronously, so a buffer is rewritten only after the group that read it has completed.
+    u32 a[4][8];
+#pragma unroll
+    for (int b = 0; b < 4; b++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) a[b][i] = 0u;
+
+#pragma unroll
+    for (int s = 0; s < WG_ST - 2; s++) {
+        if (s < ntiles) load_stage(s, s);
+        cp_async_commit();
+    }
+    for (int tt = 0; tt < ntiles; tt++) {
+        cp_async_wait<WG_ST - 3>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> the MMA's reads
+        __syncthreads();
+        // The stage this overwrites was read by the MMAs of step tt - 2, finished by now.
+        if (tt + WG_ST - 2 < ntiles) load_stage((tt + WG_ST - 2) % WG_ST, tt + WG_ST - 2);
+        cp_async_commit();
+        const int st = tt % WG_ST;
+        const int grp = (kbeg + tt * WG_BK) / G;
+        if (grp != cur_grp) {
+            cur_grp = grp;
+            const u32* ms = Ms + st * WG_MWORDS;
+            const u32 zw = ms[col];
+            const u16* scs = (const u16*)(ms + 16) + 8 * col;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int nib = 4 * (q >> 1) + 2 * h + (q & 1);
+                dq_consts<BF>(zw, nib, scs[2 * (nib & 3) + (nib >> 2)], zm[q], s2[q]);
+            }
+        }
+        const u32* ws = Ws + st * WG_WWORDS + col;
+        const u8* xs = Xs + st * WG_XBYTES;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            u32(&ab)[8] = a[kk];
+            const u32* r0 = ws + (16 * kk + 2 * t) * WG_WSTR;
+            const u32 w0 = r0[0], w1 = r0[WG_WSTR], w2 = r0[8 * WG_WSTR], w3 = r0[9 * WG_WSTR];
+            // Low halves: nibbles 0-3 of the k = 2t (and 2t+8) word, high halves: of 2t+1 (2t+9).
+            const u32 lo01 = prmt(w0, w1, 0x5410) >> sh, hi01 = prmt(w0, w1, 0x7632) >> sh;
+            const u32 lo89 = prmt(w2, w3, 0x5410) >> sh, hi89 = prmt(w2, w3, 0x7632) >> sh;
+            const u32 src[2][2] = {{lo01, lo89}, {hi01, hi89}};
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    // r: 0 = (row g, k 2t..), 1 = (row g+8, k 2t..), 2 = (row g, k 2t+8..), 3 = (row g+8, k 2t+8..)
+                    const u32 v = src[j][r >> 1] >> (4 * (r & 1));
+                    ab[4 * j + r] = dq2<BF>(and_or(v, 0x000F000Fu, MAGIC), zm[2 * j + (r & 1)], s2[2 * j + (r & 1)]);
+                }
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            wgmma_rs_m64n128k16<BF>(acc[0], &ab[0], hw_desc(xs + 32 * kk, 16));
+            wgmma_rs_m64n128k16<BF>(acc[1], &ab[4], hw_desc(xs + 32 * kk, 16));
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            // The group of three steps ago, which read the next buffer, is done: only now may
+            // those registers be reused (the fence keeps them live until here).
+            asm volatile("wgmma.wait_group.sync.aligned 3;\n" ::: "memory");
+            wg_keep(a[(kk + 1) & 3]);
+        }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Epilogue through shared memory: acc[j][4q + c] is output row 16·warp + g + 8(c/2) of tile j
+    // (nibble 4j + 2h + c/2 of word column col) and token 8q + 2t + c%2.
+    float* S = (float*)Xs;
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int q = 0; q < 16; q++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int nib = 4 * j + 2 * h + (c >> 1);
+                const int nl = 8 * col + 2 * (nib & 3) + (nib >> 2);
+                S[(8 * q + 2 * t + (c & 1)) * WG_EPI_STR + nl] = acc[j][4 * q + c];
+            }
+    __syncthreads();
+    for (int i = tid; i < WG_T * 32; i += 128) {
+        const int r = i >> 5, c4 = 4 * (i & 31);
+        if (m0 + r >= M) break;
+        const float4 v = *(const float4*)&S[r * WG_EPI_STR + c4];
+        const i64 o = (i64)(m0 + r) * N + 8 * wc0 + c4;
+        if (split_out) {
+            *(float4*)((float*)out + (i64)blockIdx.z * M * N + o) = v;
+        } else {
+            u16* y = (u16*)out + o;  // y is only 2-byte aligned
+            const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) y[e] = BF ? f32_to_bf16_rn(f[e]) : f32_to_f16_rn(f[e]);
+        }
+    }
+#endif
+}
+
+#define FORGE_GEMM_WG_ENTRY(SUF, BF)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) w4a16_wg_##SUF(                                     \
+        const u16* x, const u32* qw, const u32* qz, const u16* sc, void* out, int M, int N, int K, int G,  \
+        int k_chunk, int split_out) {                                                                      \
+        w4a16_wg_impl<BF>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out);                              \
+    }
+FORGE_GEMM_WG_ENTRY(f16, false)
+FORGE_GEMM_WG_ENTRY(bf16, true)
 
 // Sum of split-K partials ws[splits, MN] in split order, converted to the output dtype.
 template <bool BF>

@@ -293,10 +293,6 @@ FORGE_HESS_TC_ENTRY(bf16, true)
 #define HW_HALF (HW_K * 64)           // 16-bit elements of one 64-feature half of a stage
 #define HW_STAGE (2 * HW_HALF)        // one operand of one stage
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ u64 hw_desc(const void* p, u32 lbo) {
-    const u64 a = smem_u32(p);
-    return ((a & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
-}
 template <bool BF>
 __device__ __forceinline__ void wgmma_m64n128k16(float d[64], u64 da, u64 db) {
     if (BF) {

@@ -81,6 +81,8 @@ impl Module {
                 "w4a16_awq_bf16_m1",
                 "w4a16_awq_bf16_m2",
                 "w4a16_awq_bf16_m4",
+                "w4a16_wg_f16",
+                "w4a16_wg_bf16",
                 "w4a16_gemv_f16",
                 "w4a16_gemv_bf16",
                 "w4a16_gemv3_f16_r1",
@@ -125,6 +127,8 @@ pub fn dynamic_smem_limit(name: &str) -> Option<usize> {
         Some(crate::ops::HESSIAN_TC_SMEM as usize)
     } else if name.starts_with("hessian_wg") {
         Some(crate::ops::HESSIAN_WG_SMEM as usize)
+    } else if name.starts_with("w4a16_wg") {
+        Some(crate::ops::W4A16_WG_SMEM as usize)
     } else {
         None
     }

@@ -536,11 +536,15 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 }
 
 /// Tuning knobs from the environment, read once per process (never per launch):
-/// `FORGE_GEMV=1|3` and `FORGE_GEMM_MT=1|2|4`.
+/// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0|1` (the Hopper wgmma kernel
+/// off, or on for every M > 4 whose shape it takes) and `FORGE_GEMM_WG_SPLITS=1..8` (its K
+/// splits).
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
     gemm_mt: Option<usize>,
+    gemm_wg: Option<usize>,
+    gemm_wg_splits: Option<usize>,
 }
 
 fn knobs() -> Knobs {
@@ -555,6 +559,8 @@ fn knobs() -> Knobs {
         Knobs {
             gemv: read("FORGE_GEMV", &[1, 3]),
             gemm_mt: read("FORGE_GEMM_MT", &[1, 2, 4]),
+            gemm_wg: read("FORGE_GEMM_WG", &[0, 1]),
+            gemm_wg_splits: read("FORGE_GEMM_WG_SPLITS", &[1, 2, 3, 4, 5, 6, 7, 8]),
         }
     })
 }
@@ -576,7 +582,9 @@ fn gemv3_shape(m: usize) -> (usize, usize) {
 /// How the GEMM splits its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct GemmPlan {
-    /// 0 = GEMV path (M <= 16), else m16 tiles per block of the tiled path.
+    /// The Hopper wgmma kernel (`w4a16_wg_<dt>`; `mt` is 0).
+    wgmma: bool,
+    /// 0 = GEMV or wgmma path, else m16 tiles per block of the tiled path.
     mt: usize,
     /// GEMV kernel version (1 or 2) when `mt == 0`.
     gemv: usize,
@@ -628,15 +636,99 @@ fn gemv3_splits(base: usize, slots: usize, k: usize) -> (usize, usize) {
     (units.div_ceil(per), per * unit)
 }
 
-/// `slots` = resident blocks per SM × SMs (one full wave).
-fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmPlan {
+/// Smallest M the Hopper wgmma kernel takes by default (`FORGE_GEMM_WG=1`: every M above
+/// [`GEMV3_MAX_M`]).
+const WG_MIN_M: usize = 17;
+/// Outputs per block, tokens per block and K per stage of the wgmma kernel (cuda/gemm.cu
+/// `WG_T`, `WG_BK`; 16 word columns a block).
+const WG_BN: usize = 128;
+const WG_BM: usize = 128;
+const WG_BK: usize = 64;
+/// Most K splits of the wgmma kernel (bounds its fp32 workspace to 8·M·N floats).
+const WG_MAX_SPLITS: usize = 8;
+
+/// Dynamic shared memory of `w4a16_wg_<dt>`: 4 stages of a 128 × 64 x tile (16 KB), a
+/// 64 × 20-word weight tile and 80 words of group metadata, plus 1 KB to start the x tiles on
+/// a 1024-byte boundary (where the 128-byte swizzle repeats). The epilogue's 128 × 132 fp32
+/// tile reuses the first 67.6 KB.
+pub(crate) const W4A16_WG_SMEM: u32 = 1024 + 4 * (128 * 64 * 2 + 64 * 20 * 4 + 80 * 4);
+
+/// K splits of the wgmma kernel for `base` blocks per split on `sms` SMs, `stages` 64-deep
+/// stages and `outputs` = M·N: the split count with the least estimated time. Measured on an
+/// H100 (`FORGE_GEMM_WG_SPLITS`, 2026-11-26): a block alone on its SM takes ≈ 1.2 µs a stage,
+/// SMs holding several blocks finish ≈ 0.75 µs per block-stage; a split adds its fp32 partials
+/// written and read back (≈ 3 TB/s) and the reduction's launch (≈ 2 µs). This model is within
+/// ≈ 10 % of the measured times at M = 128 on the three DeepSeek shapes.
+fn wg_splits(base: usize, sms: usize, stages: usize, outputs: usize) -> usize {
+    let cost = |s: usize| {
+        let per = stages.div_ceil(s) as f64;
+        let per_sm = (base * s).div_ceil(sms.max(1));
+        let mut us = if per_sm == 1 {
+            1.2 * per
+        } else {
+            0.75 * per_sm as f64 * per
+        };
+        if s > 1 {
+            us += ((2 * s + 1) * outputs * 4) as f64 / 3.0e6 + 2.0;
+        }
+        us
+    };
+    (1..=WG_MAX_SPLITS.min(stages.max(1)))
+        .fold(1, |best, s| if cost(s) < cost(best) { s } else { best })
+}
+
+/// Whether the wgmma kernel takes this shape (N a multiple of its 128 outputs a block, K and
+/// the group size multiples of its 64-deep stages).
+fn wg_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
+    n.is_multiple_of(WG_BN) && k.is_multiple_of(WG_BK) && group_size.is_multiple_of(WG_BK)
+}
+
+/// `slots` = resident blocks per SM × SMs (one full wave). `wg_sms`: the SM count when the
+/// device and shape allow the Hopper wgmma kernel.
+fn gemm_plan(
+    slots: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    gemv_ok: bool,
+    wg_sms: Option<usize>,
+) -> GemmPlan {
     let tiles = k / GEMM_BK;
+    let wg_min = match knobs().gemm_wg {
+        Some(0) => usize::MAX,
+        Some(_) => GEMV3_MAX_M + 1,
+        None => WG_MIN_M,
+    };
+    if let Some(wg_sms) = wg_sms.filter(|_| m >= wg_min) {
+        let mblocks = m.div_ceil(WG_BM);
+        let nblocks = n / WG_BN;
+        let stages = k / WG_BK;
+        let splits = knobs()
+            .gemm_wg_splits
+            .unwrap_or_else(|| wg_splits(nblocks * mblocks, wg_sms, stages, m * n))
+            .min(stages.max(1));
+        let per = stages.div_ceil(splits).max(1);
+        return GemmPlan {
+            wgmma: true,
+            mt: 0,
+            gemv: 0,
+            nblocks,
+            mblocks,
+            splits: stages.div_ceil(per),
+            k_chunk: per * WG_BK,
+            smem: W4A16_WG_SMEM as usize,
+            threads: 128,
+            block_n: WG_BN,
+            rows: 0,
+        };
+    }
     if m <= GEMV3_MAX_M && gemv_ok && simt_gemv(m, n) {
         let (rows, wpl) = gemv3_shape(m);
         let block_n = 8 * 32 * wpl;
         let nblocks = n.div_ceil(block_n);
         let (splits, k_chunk) = gemv3_splits(nblocks, slots, k);
         return GemmPlan {
+            wgmma: false,
             mt: 0,
             gemv: 3,
             nblocks,
@@ -663,6 +755,7 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
         let xbytes = (2 * (m + 1) * (k_chunk + 8)).div_ceil(16) * 16;
         let smem = xbytes.max(3 * 32 * 32 * 4);
         return GemmPlan {
+            wgmma: false,
             mt: 0,
             gemv: 1,
             nblocks,
@@ -695,6 +788,7 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
     let per = tiles.div_ceil(splits).max(1);
     let splits = tiles.div_ceil(per);
     GemmPlan {
+        wgmma: false,
         mt,
         gemv: 0,
         nblocks,
@@ -711,7 +805,9 @@ fn gemm_plan(slots: usize, m: usize, n: usize, k: usize, gemv_ok: bool) -> GemmP
 fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
     let suffix = if act == DType::F16 { "f16" } else { "bf16" };
     let mt = plan.mt;
-    let name = if mt == 0 && plan.gemv == 3 {
+    let name = if plan.wgmma {
+        format!("w4a16_wg_{suffix}")
+    } else if mt == 0 && plan.gemv == 3 {
         format!("w4a16_gemv3_{suffix}_r{}", plan.rows)
     } else if mt == 0 {
         format!("w4a16_gemv_{suffix}")
@@ -804,10 +900,11 @@ fn plan_uncached(
     // plan with an estimate first.
     let gemv_ok = group_size.is_power_of_two();
     let sms = dev.sm_count.max(1) as usize;
-    let probe = gemm_plan(sms * 4, m, n, k, gemv_ok);
+    let wg_sms = (dev.cc == (9, 0) && wg_shape_ok(n, k, group_size)).then_some(sms);
+    let probe = gemm_plan(sms * 4, m, n, k, gemv_ok, wg_sms);
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
     let occ = dev.occupancy(f, probe.threads as u32, probe.smem);
-    let plan = gemm_plan(sms * occ, m, n, k, gemv_ok);
+    let plan = gemm_plan(sms * occ, m, n, k, gemv_ok, wg_sms);
     let f = dev.function(gemm_kernel_name(act, &plan)?)?;
     Ok((plan, f))
 }
@@ -928,7 +1025,7 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
         to_i32("m", m)?,
         to_i32("n", n)?,
         to_i32("k", k)?,
-        if plan.mt == 0 {
+        if plan.mt == 0 && !plan.wgmma {
             group_size.trailing_zeros() as i32
         } else {
             group_size as i32
@@ -939,7 +1036,7 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
     if splits == 1 {
         let (mut out, mut split_out) = (a.y, 0i32);
         let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
-        // SAFETY: parameter list matches w4a16_awq_<dt>_m<MT>.
+        // SAFETY: parameter list matches w4a16_awq_<dt>_m<MT> and w4a16_wg_<dt>.
         return unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) };
     }
     let mut launch_partials = |ws: u64| {
@@ -1989,7 +2086,7 @@ mod tests {
             (128, 18432, 7168),
             (40, 96, 256),
         ] {
-            let p = gemm_plan(132 * 4, m, n, k, true);
+            let p = gemm_plan(132 * 4, m, n, k, true, None);
             assert!(
                 p.k_chunk.is_multiple_of(32)
                     && p.splits * p.k_chunk >= k
@@ -2003,5 +2100,43 @@ mod tests {
                 assert!(p.splits <= 4);
             }
         }
+    }
+
+    #[test]
+    fn gemm_plan_wgmma_shapes() {
+        for (m, n, k) in [
+            (128, 2048, 7168),
+            (128, 7168, 2048),
+            (128, 18432, 7168),
+            (300, 256, 512),
+            (17, 128, 64),
+        ] {
+            assert!(wg_shape_ok(n, k, 64));
+            let p = gemm_plan(132 * 4, m, n, k, true, Some(132));
+            assert!(p.wgmma && p.mt == 0, "{p:?}");
+            assert!(
+                p.k_chunk.is_multiple_of(WG_BK)
+                    && p.splits * p.k_chunk >= k
+                    && (p.splits - 1) * p.k_chunk < k
+                    && p.splits <= WG_MAX_SPLITS,
+                "{p:?}"
+            );
+            assert_eq!(p.nblocks * WG_BN, n);
+            assert!(
+                p.mblocks * WG_BM >= m && (p.mblocks - 1) * WG_BM < m,
+                "{p:?}"
+            );
+        }
+        // The chip-filling shapes do not split; a 16-block grid does.
+        let splits = |m, n, k| gemm_plan(132 * 4, m, n, k, true, Some(132)).splits;
+        assert!((3..=4).contains(&splits(128, 18432, 7168)));
+        assert_eq!(splits(128, 2048, 7168), 8);
+        assert_eq!(splits(128, 7168, 2048), 4);
+        assert_eq!(splits(1024, 18432, 7168), 1);
+        // Small M keeps the GEMV; shapes the kernel cannot take keep the tiled kernel.
+        assert!(!gemm_plan(132 * 4, 16, 2048, 7168, true, Some(132)).wgmma);
+        assert!(
+            !wg_shape_ok(96, 256, 64) && !wg_shape_ok(256, 96, 32) && !wg_shape_ok(256, 256, 32)
+        );
     }
 }

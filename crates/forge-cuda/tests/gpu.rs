@@ -458,7 +458,7 @@ fn w4a16_gemm_matches_cpu() {
     assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
     let mut seed = 31;
     for act in [DType::F16, DType::Bf16] {
-        for m in [1usize, 2, 3, 4, 16, 17, 40, 128] {
+        for m in [1usize, 2, 3, 4, 16, 17, 40, 128, 200] {
             for (k, n, g) in [
                 (512usize, 256usize, 128usize),
                 (256, 96, 32),
@@ -474,6 +474,12 @@ fn w4a16_gemm_matches_cpu() {
                 gemm_case(m, 2048, 160, 32, act, seed + 1);
                 gemm_case(m, 960, 64, 96, act, seed + 2);
                 seed += 3;
+            }
+            if m == 128 || m == 17 {
+                // Hopper's wgmma kernel with K split 8 ways (64 stages, 2 blocks of outputs),
+                // with all its 128 rows and with 17.
+                gemm_case(m, 4096, 256, 128, act, seed);
+                seed += 1;
             }
             if m == 128 {
                 // Wide enough for the 4-m16-tile kernel.
