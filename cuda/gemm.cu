@@ -288,30 +288,36 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     const int kbeg = blockIdx.z * k_chunk;
     const int kend = min(K, kbeg + k_chunk);
     const int ntiles = (kend - kbeg) / WG_BK;
+    // Stages per group (G is a multiple of WG_BK) and where the split starts in its group: the
+    // loads and the dequantization step through groups by counting, without a division a stage.
+    const int spg = G / WG_BK;
 
+    // Loads, addressed once: x chunk (row tid/8 + 16i, 16-byte chunk tid%8), weight chunk (row
+    // tid/4 + 32i, chunk tid%4) and, for tid < 20, the group metadata's 16-byte chunks.
+    const int xr = tid >> 3, xch = tid & 7;
+    const u32 x_dst = xr * 128 + ((xch ^ (xr & 7)) << 4);
+    const u16* x_src = x + (i64)(m0 + xr) * K + kbeg + 8 * xch;
+    const int x_rows = min(8, max(0, (M - m0 - xr + 15) / 16));  // chunks i < x_rows hold real rows
+    const u32 w_dst = (tid >> 2) * WG_WSTR + 4 * (tid & 3);
+    const u32* w_src = qw + (i64)(kbeg + (tid >> 2)) * NW + wc0 + 4 * (tid & 3);
+    const u32* m_src = tid < 4 ? qz + wc0 + 4 * tid : (const u32*)(sc + 8 * (wc0 + tid - 4));
+    const i64 m_step = tid < 4 ? NW : N / 2;  // words from one group's metadata to the next
+    const u32 m_dst = tid < 4 ? 4 * tid : 16 + 4 * (tid - 4);
+    int load_grp = kbeg / G, load_pos = (kbeg % G) / WG_BK;
+    const u32* m_cur = m_src + (i64)load_grp * m_step;
     auto load_stage = [&](int stage, int tt) {
-        const int k0 = kbeg + tt * WG_BK;
-        u8* xs = Xs + stage * WG_XBYTES;
+        u8* xs = Xs + stage * WG_XBYTES + x_dst;
+        const u16* xg = x_src + tt * WG_BK;
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int c = tid + 128 * i;
-            const int r = c >> 3, ch = c & 7;
-            const bool ok = m0 + r < M;
-            const u16* src = ok ? x + (i64)(m0 + r) * K + k0 + 8 * ch : x;
-            cp_async16(xs + r * 128 + ((ch ^ (r & 7)) << 4), src, ok ? 16 : 0);
-        }
-        u32* ws = Ws + stage * WG_WWORDS;
+        for (int i = 0; i < 8; i++) cp_async16(xs + 2048 * i, i < x_rows ? xg + (i64)16 * i * K : x, i < x_rows ? 16 : 0);
+        u32* ws = Ws + stage * WG_WWORDS + w_dst;
+        const u32* wg = w_src + (i64)tt * WG_BK * NW;
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int c = tid + 128 * i;
-            const int r = c >> 2, ch = c & 3;
-            cp_async16(ws + r * WG_WSTR + 4 * ch, qw + (i64)(k0 + r) * NW + wc0 + 4 * ch, 16);
-        }
-        if (tid < 20) {
-            const int grp = k0 / G;
-            u32* ms = Ms + stage * WG_MWORDS;
-            if (tid < 4) cp_async16(ms + 4 * tid, qz + (i64)grp * NW + wc0 + 4 * tid, 16);
-            else cp_async16(ms + 16 + 4 * (tid - 4), sc + (i64)grp * N + 8 * (wc0 + tid - 4), 16);
+        for (int i = 0; i < 2; i++) cp_async16(ws + 32 * WG_WSTR * i, wg + (i64)32 * i * NW, 16);
+        if (tid < 20) cp_async16(Ms + stage * WG_MWORDS + m_dst, m_cur, 16);
+        if (++load_pos == spg) {
+            load_pos = 0;
+            m_cur += m_step;
         }
     };
 
@@ -325,7 +331,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     const u32 MAGIC = BF ? 0x43004300u : 0x64006400u;
     const u32 sh = 8 * h;
     u32 zm[4], s2[4];  // nibbles 2h, 2h+1 (tile 0) and 4+2h, 5+2h (tile 1)
-    int cur_grp = -1;
+    int dq_pos = (kbeg % G) / WG_BK;  // this stage's place in its group (0: new constants)
     // A fragments of the two m64 tiles for each 16-deep step of a stage: the MMAs read them
     // asynchronously, so a buffer is rewritten only after the group that read it has completed.
     u32 a[4][8];
@@ -333,6 +339,8 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     for (int b = 0; b < 4; b++)
 #pragma unroll
         for (int i = 0; i < 8; i++) a[b][i] = 0u;
+    // x descriptors: the stage's start address advances the low bits (address / 16).
+    const u64 x_desc = hw_desc(Xs, 16);
 
 #pragma unroll
     for (int s = 0; s < WG_ST - 2; s++) {
@@ -347,9 +355,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         if (tt + WG_ST - 2 < ntiles) load_stage((tt + WG_ST - 2) % WG_ST, tt + WG_ST - 2);
         cp_async_commit();
         const int st = tt % WG_ST;
-        const int grp = (kbeg + tt * WG_BK) / G;
-        if (grp != cur_grp) {
-            cur_grp = grp;
+        if (tt == 0 || dq_pos == 0) {
             const u32* ms = Ms + st * WG_MWORDS;
             const u32 zw = ms[col];
             const u16* scs = (const u16*)(ms + 16) + 8 * col;
@@ -359,8 +365,9 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
                 dq_consts<BF>(zw, nib, scs[2 * (nib & 3) + (nib >> 2)], zm[q], s2[q]);
             }
         }
+        if (++dq_pos == spg) dq_pos = 0;
         const u32* ws = Ws + st * WG_WWORDS + col;
-        const u8* xs = Xs + st * WG_XBYTES;
+        const u64 xd = x_desc + (u64)((st * WG_XBYTES) >> 4);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             u32(&ab)[8] = a[kk];
@@ -379,8 +386,8 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
                     ab[4 * j + r] = dq2<BF>(and_or(v, 0x000F000Fu, MAGIC), zm[2 * j + (r & 1)], s2[2 * j + (r & 1)]);
                 }
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            wgmma_rs_m64n128k16<BF>(acc[0], &ab[0], hw_desc(xs + 32 * kk, 16));
-            wgmma_rs_m64n128k16<BF>(acc[1], &ab[4], hw_desc(xs + 32 * kk, 16));
+            wgmma_rs_m64n128k16<BF>(acc[0], &ab[0], xd + 2 * kk);
+            wgmma_rs_m64n128k16<BF>(acc[1], &ab[4], xd + 2 * kk);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             // The group of three steps ago, which read the next buffer, is done: only now may
             // those registers be reused (the fence keeps them live until here).
