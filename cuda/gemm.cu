@@ -263,6 +263,10 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float d[64], const u32 a[4],
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
     }
 }
+// cp.async of 16 bytes to a shared-window address (src_bytes < 16 zero-fills the rest).
+__device__ __forceinline__ void wg_cp16(u32 saddr, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
+}
 // Marks registers as used (and changed) here, so that their values, read by MMAs still in
 // flight, are not moved and their registers not given to other values before this point.
 __device__ __forceinline__ void wg_keep(u32 (&r)[8]) {
@@ -292,29 +296,42 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     // loads and the dequantization step through groups by counting, without a division a stage.
     const int spg = G / WG_BK;
 
-    // Loads, addressed once: x chunk (row tid/8 + 16i, 16-byte chunk tid%8), weight chunk (row
-    // tid/4 + 32i, chunk tid%4) and, for tid < 20, the group metadata's 16-byte chunks.
+    // Loads, addressed once and advanced by pointer increments: x chunk (row tid/8 + 16i, 16-byte
+    // chunk tid%8), weight chunk (row tid/4 + 32i, chunk tid%4) and, for tid < 20, a 16-byte
+    // chunk of the group metadata. Shared addresses are kept as 32-bit shared-window offsets.
     const int xr = tid >> 3, xch = tid & 7;
-    const u32 x_dst = xr * 128 + ((xch ^ (xr & 7)) << 4);
-    const u16* x_src = x + (i64)(m0 + xr) * K + kbeg + 8 * xch;
+    const u32 x_dst = smem_u32(Xs) + xr * 128 + ((xch ^ (xr & 7)) << 4);
+    const u16* xg = x + (i64)(m0 + xr) * K + kbeg + 8 * xch;
+    const i64 x16 = (i64)16 * K;  // 16 rows of x
+    const bool x_full = m0 + WG_T <= M;
     const int x_rows = min(8, max(0, (M - m0 - xr + 15) / 16));  // chunks i < x_rows hold real rows
-    const u32 w_dst = (tid >> 2) * WG_WSTR + 4 * (tid & 3);
-    const u32* w_src = qw + (i64)(kbeg + (tid >> 2)) * NW + wc0 + 4 * (tid & 3);
+    const u32 w_dst = smem_u32(Ws) + 4 * ((tid >> 2) * WG_WSTR + 4 * (tid & 3));
+    const u32* wgp = qw + (i64)(kbeg + (tid >> 2)) * NW + wc0 + 4 * (tid & 3);
+    const i64 w32 = (i64)32 * NW;  // 32 rows of the weights
     const u32* m_src = tid < 4 ? qz + wc0 + 4 * tid : (const u32*)(sc + 8 * (wc0 + tid - 4));
     const i64 m_step = tid < 4 ? NW : N / 2;  // words from one group's metadata to the next
-    const u32 m_dst = tid < 4 ? 4 * tid : 16 + 4 * (tid - 4);
-    int load_grp = kbeg / G, load_pos = (kbeg % G) / WG_BK;
-    const u32* m_cur = m_src + (i64)load_grp * m_step;
-    auto load_stage = [&](int stage, int tt) {
-        u8* xs = Xs + stage * WG_XBYTES + x_dst;
-        const u16* xg = x_src + tt * WG_BK;
+    const u32 m_dst = smem_u32(Ms) + 4 * (tid < 4 ? 4 * tid : 16 + 4 * (tid - 4));
+    int load_pos = (kbeg % G) / WG_BK;
+    const u32* m_cur = m_src + (i64)(kbeg / G) * m_step;
+    auto load_stage = [&](int stage) {
+        const u32 xs = x_dst + stage * WG_XBYTES;
+        if (x_full) {
+            const u16* p = xg;
 #pragma unroll
-        for (int i = 0; i < 8; i++) cp_async16(xs + 2048 * i, i < x_rows ? xg + (i64)16 * i * K : x, i < x_rows ? 16 : 0);
-        u32* ws = Ws + stage * WG_WWORDS + w_dst;
-        const u32* wg = w_src + (i64)tt * WG_BK * NW;
+            for (int i = 0; i < 8; i++) {
+                wg_cp16(xs + 2048 * i, p, 16);
+                p += x16;
+            }
+        } else {
 #pragma unroll
-        for (int i = 0; i < 2; i++) cp_async16(ws + 32 * WG_WSTR * i, wg + (i64)32 * i * NW, 16);
-        if (tid < 20) cp_async16(Ms + stage * WG_MWORDS + m_dst, m_cur, 16);
+            for (int i = 0; i < 8; i++) wg_cp16(xs + 2048 * i, i < x_rows ? xg + x16 * i : x, i < x_rows ? 16 : 0);
+        }
+        xg += WG_BK;
+        const u32 ws = w_dst + stage * (4 * WG_WWORDS);
+        wg_cp16(ws, wgp, 16);
+        wg_cp16(ws + 4 * 32 * WG_WSTR, wgp + w32, 16);
+        wgp += (i64)WG_BK * NW;
+        if (tid < 20) wg_cp16(m_dst + stage * (4 * WG_MWORDS), m_cur, 16);
         if (++load_pos == spg) {
             load_pos = 0;
             m_cur += m_step;
@@ -329,7 +346,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
 
     const int col = 4 * warp + (g & 3);  // this thread's word column within the block
     const u32 MAGIC = BF ? 0x43004300u : 0x64006400u;
-    const u32 sh = 8 * h;
+    const u32 sel_lo = h | ((4 + h) << 8), sel_hi = (2 + h) | ((6 + h) << 8);  // prmt selectors
     u32 zm[4], s2[4];  // nibbles 2h, 2h+1 (tile 0) and 4+2h, 5+2h (tile 1)
     int dq_pos = (kbeg % G) / WG_BK;  // this stage's place in its group (0: new constants)
     // A fragments of the two m64 tiles for each 16-deep step of a stage: the MMAs read them
@@ -344,7 +361,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
 
 #pragma unroll
     for (int s = 0; s < WG_ST - 2; s++) {
-        if (s < ntiles) load_stage(s, s);
+        if (s < ntiles) load_stage(s);
         cp_async_commit();
     }
     for (int tt = 0; tt < ntiles; tt++) {
@@ -352,7 +369,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> the MMA's reads
         __syncthreads();
         // The stage this overwrites was read by the MMAs of step tt - 2, finished by now.
-        if (tt + WG_ST - 2 < ntiles) load_stage((tt + WG_ST - 2) % WG_ST, tt + WG_ST - 2);
+        if (tt + WG_ST - 2 < ntiles) load_stage((tt + WG_ST - 2) % WG_ST);
         cp_async_commit();
         const int st = tt % WG_ST;
         if (tt == 0 || dq_pos == 0) {
@@ -373,9 +390,10 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
             u32(&ab)[8] = a[kk];
             const u32* r0 = ws + (16 * kk + 2 * t) * WG_WSTR;
             const u32 w0 = r0[0], w1 = r0[WG_WSTR], w2 = r0[8 * WG_WSTR], w3 = r0[9 * WG_WSTR];
-            // Low halves: nibbles 0-3 of the k = 2t (and 2t+8) word, high halves: of 2t+1 (2t+9).
-            const u32 lo01 = prmt(w0, w1, 0x5410) >> sh, hi01 = prmt(w0, w1, 0x7632) >> sh;
-            const u32 lo89 = prmt(w2, w3, 0x5410) >> sh, hi89 = prmt(w2, w3, 0x7632) >> sh;
+            // Byte h (tile 0: nibbles 2h, 2h+1) or 2 + h (tile 1) of the k = 2t (2t+8) word in
+            // byte 0, of the 2t+1 (2t+9) word in byte 2.
+            const u32 lo01 = prmt(w0, w1, sel_lo), hi01 = prmt(w0, w1, sel_hi);
+            const u32 lo89 = prmt(w2, w3, sel_lo), hi89 = prmt(w2, w3, sel_hi);
             const u32 src[2][2] = {{lo01, lo89}, {hi01, hi89}};
 #pragma unroll
             for (int j = 0; j < 2; j++)
