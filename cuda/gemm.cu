@@ -230,13 +230,14 @@ FORGE_GEMM_ENTRY(bf16, 2, true)
 FORGE_GEMM_ENTRY(bf16, 4, true)
 
 // ---- Hopper: wgmma (sm_90a), M > 16 --------------------------------------------------------
-// yᵀ = W · xᵀ per block: 128 outputs n (16 word columns) × 128 rows of x (tokens), one warpgroup.
-// The weights are the MMA's A operand, dequantized into registers; x is B, read by the MMA from
-// shared memory (K-major, 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)).
-// A thread (warp w, groupID g, thread-in-group t) owns word column 4w + g%4 and reads its words
-// at k = 2t, 2t+1, 2t+8, 2t+9 of each 16-deep step; with h = g/4, its rows g and g+8 of MMA tile
-// j (two m64 tiles) are the outputs of nibbles 4j + 2h and 4j + 2h + 1 of that column, so each
-// word feeds both tiles and the dequantization (dq2) is the tiled kernel's. K moves 64 at a time
+// yᵀ = W · xᵀ per block: 128 outputs n (16 word columns) × 128 rows of x (tokens), two
+// warpgroups, one m64 tile of the outputs each. The weights are the MMA's A operand, dequantized
+// into registers; x is B, read by the MMA from shared memory (K-major, 128-byte swizzle: 16-byte
+// chunk c of row r at chunk c ^ (r % 8)). A thread of warpgroup j (warp w, groupID g,
+// thread-in-group t) owns word column 4w + g%4 and reads its words at k = 2t, 2t+1, 2t+8, 2t+9 of
+// each 16-deep step; with h = g/4, its rows g and g+8 of tile j are the outputs of nibbles
+// 4j + 2h and 4j + 2h + 1 of that column (both warpgroups read each word), and the
+// dequantization (dq2) is the tiled kernel's. K moves 64 at a time
 // through a WG_ST-stage cp.async pipeline; each 16-deep step is one MMA group, and three stay in
 // flight while the next steps' fragments are dequantized (four register buffers). Needs N % 128 == 0,
 // K % 64 == 0 and G % 64 == 0 (ops.rs routes other shapes to the tiled kernel). Split-K as there.
@@ -248,6 +249,7 @@ FORGE_GEMM_ENTRY(bf16, 4, true)
 #define WG_WWORDS (WG_BK * WG_WSTR)     // one weight stage
 #define WG_MWORDS 80                    // one stage's group metadata: 16 zero words, 128 f16 scales
 #define WG_EPI_STR 132                  // floats per row of the epilogue's [128 tokens][128 n] tile
+#define WG_THREADS 256                  // two warpgroups: tile j of the two m64 tiles is warpgroup j's
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 template <bool BF>
 __device__ __forceinline__ void wgmma_rs_m64n128k16(float d[64], const u32 a[4], u64 db) {
@@ -263,14 +265,19 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float d[64], const u32 a[4],
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
     }
 }
+// Pins the accumulators: their definitions (the zeroing) stay before the MMA pipeline and
+// their uses after it (else ptxas serializes every wgmma, C7515).
+__device__ __forceinline__ void wg_fence_acc(float (&d)[64]) {
+    asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) :: "memory");
+}
 // cp.async of 16 bytes to a shared-window address (src_bytes < 16 zero-fills the rest).
 __device__ __forceinline__ void wg_cp16(u32 saddr, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
 }
 // Marks registers as used (and changed) here, so that their values, read by MMAs still in
 // flight, are not moved and their registers not given to other values before this point.
-__device__ __forceinline__ void wg_keep(u32 (&r)[8]) {
-    asm volatile("" : "+r"(r[0]), "+r"(r[1]), "+r"(r[2]), "+r"(r[3]), "+r"(r[4]), "+r"(r[5]), "+r"(r[6]), "+r"(r[7]));
+__device__ __forceinline__ void wg_keep(u32 (&r)[4]) {
+    asm volatile("" : "+r"(r[0]), "+r"(r[1]), "+r"(r[2]), "+r"(r[3]));
 }
 #endif
 
@@ -284,7 +291,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     u8* Xs = wg_smem + ((1024 - (smem_u32(wg_smem) & 1023)) & 1023);
     u32* Ws = (u32*)(Xs + WG_ST * WG_XBYTES);
     u32* Ms = Ws + WG_ST * WG_WWORDS;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
     const int g = lane >> 2, t = lane & 3, h = g >> 2;
     const int NW = N >> 3;
     const int wc0 = blockIdx.x * 16;
@@ -296,18 +303,17 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     // loads and the dequantization step through groups by counting, without a division a stage.
     const int spg = G / WG_BK;
 
-    // Loads, addressed once and advanced by pointer increments: x chunk (row tid/8 + 16i, 16-byte
-    // chunk tid%8), weight chunk (row tid/4 + 32i, chunk tid%4) and, for tid < 20, a 16-byte
-    // chunk of the group metadata. Shared addresses are kept as 32-bit shared-window offsets.
+    // Loads, addressed once and advanced by pointer increments: x chunk (row tid/8 + 32i, 16-byte
+    // chunk tid%8), weight chunk (row tid/4, chunk tid%4) and, for tid < 20, a 16-byte chunk of
+    // the group metadata. Shared addresses are kept as 32-bit shared-window offsets.
     const int xr = tid >> 3, xch = tid & 7;
     const u32 x_dst = smem_u32(Xs) + xr * 128 + ((xch ^ (xr & 7)) << 4);
     const u16* xg = x + (i64)(m0 + xr) * K + kbeg + 8 * xch;
-    const i64 x16 = (i64)16 * K;  // 16 rows of x
+    const i64 x32 = (i64)32 * K;  // 32 rows of x
     const bool x_full = m0 + WG_T <= M;
-    const int x_rows = min(8, max(0, (M - m0 - xr + 15) / 16));  // chunks i < x_rows hold real rows
+    const int x_rows = min(4, max(0, (M - m0 - xr + 31) / 32));  // chunks i < x_rows hold real rows
     const u32 w_dst = smem_u32(Ws) + 4 * ((tid >> 2) * WG_WSTR + 4 * (tid & 3));
     const u32* wgp = qw + (i64)(kbeg + (tid >> 2)) * NW + wc0 + 4 * (tid & 3);
-    const i64 w32 = (i64)32 * NW;  // 32 rows of the weights
     const u32* m_src = tid < 4 ? qz + wc0 + 4 * tid : (const u32*)(sc + 8 * (wc0 + tid - 4));
     const i64 m_step = tid < 4 ? NW : N / 2;  // words from one group's metadata to the next
     const u32 m_dst = smem_u32(Ms) + 4 * (tid < 4 ? 4 * tid : 16 + 4 * (tid - 4));
@@ -318,18 +324,16 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         if (x_full) {
             const u16* p = xg;
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                wg_cp16(xs + 2048 * i, p, 16);
-                p += x16;
+            for (int i = 0; i < 4; i++) {
+                wg_cp16(xs + 4096 * i, p, 16);
+                p += x32;
             }
         } else {
 #pragma unroll
-            for (int i = 0; i < 8; i++) wg_cp16(xs + 2048 * i, i < x_rows ? xg + x16 * i : x, i < x_rows ? 16 : 0);
+            for (int i = 0; i < 4; i++) wg_cp16(xs + 4096 * i, i < x_rows ? xg + x32 * i : x, i < x_rows ? 16 : 0);
         }
         xg += WG_BK;
-        const u32 ws = w_dst + stage * (4 * WG_WWORDS);
-        wg_cp16(ws, wgp, 16);
-        wg_cp16(ws + 4 * 32 * WG_WSTR, wgp + w32, 16);
+        wg_cp16(w_dst + stage * (4 * WG_WWORDS), wgp, 16);
         wgp += (i64)WG_BK * NW;
         if (tid < 20) wg_cp16(m_dst + stage * (4 * WG_MWORDS), m_cur, 16);
         if (++load_pos == spg) {
@@ -338,24 +342,25 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         }
     };
 
-    float acc[2][64];
+    float acc[64];
 #pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-        for (int i = 0; i < 64; i++) acc[j][i] = 0.0f;
+    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+    wg_fence_acc(acc);
 
     const int col = 4 * warp + (g & 3);  // this thread's word column within the block
     const u32 MAGIC = BF ? 0x43004300u : 0x64006400u;
-    const u32 sel_lo = h | ((4 + h) << 8), sel_hi = (2 + h) | ((6 + h) << 8);  // prmt selectors
-    u32 zm[4], s2[4];  // nibbles 2h, 2h+1 (tile 0) and 4+2h, 5+2h (tile 1)
+    // prmt selector: byte 2·wg + h of the k = 2t (2t+8) word to byte 0, of the 2t+1 (2t+9) word to
+    // byte 2 (this warpgroup's tile is nibbles 4·wg + 2h and 4·wg + 2h + 1 of the column).
+    const u32 sel = (2 * wg + h) | ((4 + 2 * wg + h) << 8);
+    u32 zm[2], s2[2];
     int dq_pos = (kbeg % G) / WG_BK;  // this stage's place in its group (0: new constants)
-    // A fragments of the two m64 tiles for each 16-deep step of a stage: the MMAs read them
-    // asynchronously, so a buffer is rewritten only after the group that read it has completed.
-    u32 a[4][8];
+    // A fragments of each 16-deep step of a stage: the MMAs read them asynchronously, so a
+    // buffer is rewritten only after the group that read it has completed.
+    u32 a[4][4];
 #pragma unroll
     for (int b = 0; b < 4; b++)
 #pragma unroll
-        for (int i = 0; i < 8; i++) a[b][i] = 0u;
+        for (int i = 0; i < 4; i++) a[b][i] = 0u;
     // x descriptors: the stage's start address advances the low bits (address / 16).
     const u64 x_desc = hw_desc(Xs, 16);
 
@@ -377,8 +382,8 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
             const u32 zw = ms[col];
             const u16* scs = (const u16*)(ms + 16) + 8 * col;
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int nib = 4 * (q >> 1) + 2 * h + (q & 1);
+            for (int q = 0; q < 2; q++) {
+                const int nib = 4 * wg + 2 * h + q;
                 dq_consts<BF>(zw, nib, scs[2 * (nib & 3) + (nib >> 2)], zm[q], s2[q]);
             }
         }
@@ -387,25 +392,17 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         const u64 xd = x_desc + (u64)((st * WG_XBYTES) >> 4);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            u32(&ab)[8] = a[kk];
+            u32(&ab)[4] = a[kk];
             const u32* r0 = ws + (16 * kk + 2 * t) * WG_WSTR;
-            const u32 w0 = r0[0], w1 = r0[WG_WSTR], w2 = r0[8 * WG_WSTR], w3 = r0[9 * WG_WSTR];
-            // Byte h (tile 0: nibbles 2h, 2h+1) or 2 + h (tile 1) of the k = 2t (2t+8) word in
-            // byte 0, of the 2t+1 (2t+9) word in byte 2.
-            const u32 lo01 = prmt(w0, w1, sel_lo), hi01 = prmt(w0, w1, sel_hi);
-            const u32 lo89 = prmt(w2, w3, sel_lo), hi89 = prmt(w2, w3, sel_hi);
-            const u32 src[2][2] = {{lo01, lo89}, {hi01, hi89}};
+            const u32 v01 = prmt(r0[0], r0[WG_WSTR], sel), v89 = prmt(r0[8 * WG_WSTR], r0[9 * WG_WSTR], sel);
 #pragma unroll
-            for (int j = 0; j < 2; j++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    // r: 0 = (row g, k 2t..), 1 = (row g+8, k 2t..), 2 = (row g, k 2t+8..), 3 = (row g+8, k 2t+8..)
-                    const u32 v = src[j][r >> 1] >> (4 * (r & 1));
-                    ab[4 * j + r] = dq2<BF>(and_or(v, 0x000F000Fu, MAGIC), zm[2 * j + (r & 1)], s2[2 * j + (r & 1)]);
-                }
+            for (int r = 0; r < 4; r++) {
+                // r: 0 = (row g, k 2t..), 1 = (row g+8, k 2t..), 2 = (row g, k 2t+8..), 3 = (row g+8, k 2t+8..)
+                const u32 v = (r < 2 ? v01 : v89) >> (4 * (r & 1));
+                ab[r] = dq2<BF>(and_or(v, 0x000F000Fu, MAGIC), zm[r & 1], s2[r & 1]);
+            }
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            wgmma_rs_m64n128k16<BF>(acc[0], &ab[0], xd + 2 * kk);
-            wgmma_rs_m64n128k16<BF>(acc[1], &ab[4], xd + 2 * kk);
+            wgmma_rs_m64n128k16<BF>(acc, ab, xd + 2 * kk);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             // The group of three steps ago, which read the next buffer, is done: only now may
             // those registers be reused (the fence keeps them live until here).
@@ -414,24 +411,23 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         }
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    wg_fence_acc(acc);
     cp_async_wait<0>();
     __syncthreads();
 
-    // Epilogue through shared memory: acc[j][4q + c] is output row 16·warp + g + 8(c/2) of tile j
-    // (nibble 4j + 2h + c/2 of word column col) and token 8q + 2t + c%2.
+    // Epilogue through shared memory: acc[4q + c] is output row 16·warp + g + 8(c/2) of this
+    // warpgroup's tile (nibble 4·wg + 2h + c/2 of word column col) and token 8q + 2t + c%2.
     float* S = (float*)Xs;
 #pragma unroll
-    for (int j = 0; j < 2; j++)
+    for (int q = 0; q < 16; q++)
 #pragma unroll
-        for (int q = 0; q < 16; q++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int nib = 4 * j + 2 * h + (c >> 1);
-                const int nl = 8 * col + 2 * (nib & 3) + (nib >> 2);
-                S[(8 * q + 2 * t + (c & 1)) * WG_EPI_STR + nl] = acc[j][4 * q + c];
-            }
+        for (int c = 0; c < 4; c++) {
+            const int nib = 4 * wg + 2 * h + (c >> 1);
+            const int nl = 8 * col + 2 * (nib & 3) + (nib >> 2);
+            S[(8 * q + 2 * t + (c & 1)) * WG_EPI_STR + nl] = acc[4 * q + c];
+        }
     __syncthreads();
-    for (int i = tid; i < WG_T * 32; i += 128) {
+    for (int i = tid; i < WG_T * 32; i += WG_THREADS) {
         const int r = i >> 5, c4 = 4 * (i & 31);
         if (m0 + r >= M) break;
         const float4 v = *(const float4*)&S[r * WG_EPI_STR + c4];
@@ -449,7 +445,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
 }
 
 #define FORGE_GEMM_WG_ENTRY(SUF, BF)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) w4a16_wg_##SUF(                                     \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS) w4a16_wg_##SUF(                                     \
         const u16* x, const u32* qw, const u32* qz, const u16* sc, void* out, int M, int N, int K, int G,  \
         int k_chunk, int split_out) {                                                                      \
         w4a16_wg_impl<BF>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out);                              \

@@ -644,6 +644,8 @@ const WG_MIN_M: usize = 17;
 const WG_BN: usize = 128;
 const WG_BM: usize = 128;
 const WG_BK: usize = 64;
+/// Threads per block of the wgmma kernel: two warpgroups (cuda/gemm.cu `WG_THREADS`).
+const WG_THREADS: usize = 256;
 /// Most K splits of the wgmma kernel (bounds its fp32 workspace to 8·M·N floats).
 const WG_MAX_SPLITS: usize = 8;
 
@@ -655,18 +657,18 @@ pub(crate) const W4A16_WG_SMEM: u32 = 1024 + 4 * (128 * 64 * 2 + 64 * 20 * 4 + 8
 
 /// K splits of the wgmma kernel for `base` blocks per split on `sms` SMs, `stages` 64-deep
 /// stages and `outputs` = M·N: the split count with the least estimated time. Measured on an
-/// H100 (`FORGE_GEMM_WG_SPLITS`, 2026-11-26): a block alone on its SM takes ≈ 1.2 µs a stage,
-/// SMs holding several blocks finish ≈ 0.75 µs per block-stage; a split adds its fp32 partials
+/// H100 (`FORGE_GEMM_WG_SPLITS`, 2026-11-26): a block alone on its SM takes ≈ 0.58 µs a stage,
+/// SMs holding several blocks finish ≈ 0.48 µs per block-stage; a split adds its fp32 partials
 /// written and read back (≈ 3 TB/s) and the reduction's launch (≈ 2 µs). This model is within
-/// ≈ 10 % of the measured times at M = 128 on the three DeepSeek shapes.
+/// ≈ 15 % of the measured times at M = 64 and 128 on the three DeepSeek shapes.
 fn wg_splits(base: usize, sms: usize, stages: usize, outputs: usize) -> usize {
     let cost = |s: usize| {
         let per = stages.div_ceil(s) as f64;
         let per_sm = (base * s).div_ceil(sms.max(1));
         let mut us = if per_sm == 1 {
-            1.2 * per
+            0.58 * per
         } else {
-            0.75 * per_sm as f64 * per
+            0.48 * per_sm as f64 * per
         };
         if s > 1 {
             us += ((2 * s + 1) * outputs * 4) as f64 / 3.0e6 + 2.0;
@@ -717,7 +719,7 @@ fn gemm_plan(
             splits: stages.div_ceil(per),
             k_chunk: per * WG_BK,
             smem: W4A16_WG_SMEM as usize,
-            threads: 128,
+            threads: WG_THREADS,
             block_n: WG_BN,
             rows: 0,
         };
@@ -2131,7 +2133,7 @@ mod tests {
         let splits = |m, n, k| gemm_plan(132 * 4, m, n, k, true, Some(132)).splits;
         assert!((3..=4).contains(&splits(128, 18432, 7168)));
         assert_eq!(splits(128, 2048, 7168), 8);
-        assert_eq!(splits(128, 7168, 2048), 4);
+        assert_eq!(splits(128, 7168, 2048), 2);
         assert_eq!(splits(1024, 18432, 7168), 1);
         // Small M keeps the GEMV; shapes the kernel cannot take keep the tiled kernel.
         assert!(!gemm_plan(132 * 4, 16, 2048, 7168, true, Some(132)).wgmma);
