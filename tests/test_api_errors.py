@@ -208,6 +208,18 @@ CASES = [
     ("hess-empty", lambda: forge.prepare_hessian(torch.empty(0, 0)), ShapeError, "hessian"),
     ("hess-nan", lambda: forge.prepare_hessian(with_value(torch.eye(4), NAN)), InvalidValueError, "hessian"),
     (
+        "hess-batched-nan",
+        lambda: forge.prepare_hessian_batched(with_value(torch.eye(4).repeat(3, 1, 1), NAN, (2, 3, 1))),
+        InvalidValueError,
+        "hessian",
+    ),
+    (
+        "hess-batched-neg-inf",
+        lambda: forge.prepare_hessian_batched(with_value(torch.eye(4).repeat(3, 1, 1), -INF, (0, 0, 3))),
+        InvalidValueError,
+        "hessian",
+    ),
+    (
         "hess-inf",
         lambda: forge.prepare_hessian(with_value(torch.eye(4), INF, (2, 2))),
         InvalidValueError,

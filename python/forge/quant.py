@@ -280,7 +280,7 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
         raise DTypeError(f"hessian: expected dtype torch.float32, got {hessian.dtype}")
     if not (percdamp >= 0 and percdamp < float("inf")):
         raise InvalidValueError(f"percdamp: must be a finite number >= 0 (got {percdamp})")
-    if not bool(torch.isfinite(hessian.amax()) & torch.isfinite(hessian.amin())):  # no (E, C, C) mask
+    if not bool(torch.isfinite(torch.stack(torch.aminmax(hessian))).all()):  # one pass, no (E, C, C) mask
         raise InvalidValueError("hessian: holds NaN or Inf values")
     e, c, _ = hessian.shape
     diag = torch.diagonal(hessian, dim1=1, dim2=2)
