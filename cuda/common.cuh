@@ -273,8 +273,12 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 }
 
 // ---- tensor cores (sm_80+): cp.async, ldmatrix, mma.sync (m16n8k8 TF32, m16n8k16 f16/bf16), fp32 accumulate ----
+// 16 bytes global -> shared at a shared-window address (src_bytes < 16 zero-fills the rest).
+__device__ __forceinline__ void cp_async16_s(u32 saddr, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
+    cp_async16_s(smem_u32(smem), gmem, src_bytes);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -270,10 +270,6 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float d[64], const u32 a[4],
 __device__ __forceinline__ void wg_fence_acc(float (&d)[64]) {
     asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) :: "memory");
 }
-// cp.async of 16 bytes to a shared-window address (src_bytes < 16 zero-fills the rest).
-__device__ __forceinline__ void wg_cp16(u32 saddr, const void* gmem, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
-}
 // Marks registers as used (and changed) here, so that their values, read by MMAs still in
 // flight, are not moved and their registers not given to other values before this point.
 __device__ __forceinline__ void wg_keep(u32 (&r)[4]) {
@@ -325,17 +321,17 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
             const u16* p = xg;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                wg_cp16(xs + 4096 * i, p, 16);
+                cp_async16_s(xs + 4096 * i, p, 16);
                 p += x32;
             }
         } else {
 #pragma unroll
-            for (int i = 0; i < 4; i++) wg_cp16(xs + 4096 * i, i < x_rows ? xg + x32 * i : x, i < x_rows ? 16 : 0);
+            for (int i = 0; i < 4; i++) cp_async16_s(xs + 4096 * i, i < x_rows ? xg + x32 * i : x, i < x_rows ? 16 : 0);
         }
         xg += WG_BK;
-        wg_cp16(w_dst + stage * (4 * WG_WWORDS), wgp, 16);
+        cp_async16_s(w_dst + stage * (4 * WG_WWORDS), wgp, 16);
         wgp += (i64)WG_BK * NW;
-        if (tid < 20) wg_cp16(m_dst + stage * (4 * WG_MWORDS), m_cur, 16);
+        if (tid < 20) cp_async16_s(m_dst + stage * (4 * WG_MWORDS), m_cur, 16);
         if (++load_pos == spg) {
             load_pos = 0;
             m_cur += m_step;
