@@ -16,8 +16,9 @@ adds eager generate rows (``disable_compile=True``).
 
 MoE layer (CUDA, ``--moe-micro``): one AwqExperts layer of the bench's DeepSeek-V3-like MoE
 (64 experts, hidden 2048, expert 1408, top-6, G = 128, bf16) at T tokens, through the grouped
-GEMV (``grouped``: eager and inside a CUDA graph) and through the per-expert loop (``loop``,
-``GROUPED_MAX_PAIRS = 0``; eager only, it reads the counts back): the data behind
+GEMV (``grouped``: eager and inside a CUDA graph), through the per-expert loop (``loop``,
+``GROUPED_MAX_PAIRS = 0``; eager only, it reads the counts back) and, as the peer, the same
+layer in bf16 (the dequantized weights) as a loop of bf16 matmuls (``bf16 loop``): the data behind
 ``forge.runtime.GROUPED_MAX_PAIRS``. W4A16 decode rows of a model with AwqExperts say which
 path its experts take (``moe_path``: grouped while batch * top_k <= GROUPED_MAX_PAIRS).
 
@@ -170,6 +171,7 @@ def moe_top_k(model) -> int:
 
 @torch.no_grad()
 def run_moe_micro(args) -> None:
+    import forge
     from forge import runtime
     from forge.runtime import AwqExperts
 
@@ -183,21 +185,31 @@ def run_moe_micro(args) -> None:
         getattr(mod, f"{prefix}_scales").copy_(
             (torch.rand(e, k // g, n, generator=gen) * 0.02 + 0.001).half()
         )
-    mod = mod.cuda()
+    # The peer: the same layer in bf16 (the dequantized weights), as a loop of bf16 matmuls over
+    # the experts that got tokens (AwqExperts' own loop with unquantized projections).
+    bf16 = AwqExperts(e, h, i, g, "silu", quantized_gate_up=False, quantized_down=False, dtype=torch.bfloat16)
+    for prefix in ("gate_up", "down"):
+        parts = [getattr(mod, f"{prefix}_{p}") for p in ("qweight", "qzeros", "scales")]
+        deq = torch.stack([forge.dequantize_awq(*(t[j] for t in parts), g) for j in range(e)])
+        getattr(bf16, f"{prefix}_proj").copy_(deq.to(torch.bfloat16))
+    mod, bf16 = mod.cuda(), bf16.cuda()
     default = runtime.GROUPED_MAX_PAIRS
-    for tokens in (1, 2, 4, 8, 16, 32, 64):
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 256):
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(tokens, e, generator=gen).cuda()
         w, idx = torch.topk(logits.softmax(-1), top_k, dim=-1)
-        for impl in ("grouped", "loop"):
+        ref = bf16(x, idx, w).float()
+        for impl in ("grouped", "loop", "bf16 loop"):
             row = {"bench": "moe_layer", "impl": impl, "tokens": tokens, "pairs": tokens * top_k}
             row.update({"experts": e, "hidden": h, "intermediate": i, "group_size": g})
             runtime.GROUPED_MAX_PAIRS = 1 << 30 if impl == "grouped" else 0
+            layer = bf16 if impl == "bf16 loop" else mod
             try:
-                fn = lambda x: mod(x, idx, w)  # noqa: E731
+                fn = lambda x, layer=layer: layer(x, idx, w)  # noqa: E731
                 row["eager_us"] = round(_time_eager(fn, x, calls=200), 2)
                 if impl == "grouped":
                     row["graph_us"] = round(_time_graph(fn, x, inner=16), 2)
+                row["max_rel_err_vs_bf16"] = float((fn(x).float() - ref).abs().max() / ref.abs().max())
             except Exception as ex:
                 row["error"] = f"{type(ex).__name__}: {ex}"[:500]
             finally:
