@@ -476,10 +476,13 @@ fn w4a16_gemm_matches_cpu() {
                 seed += 3;
             }
             if m == 128 || m == 17 {
-                // Hopper's wgmma kernel with K split 8 ways (64 stages, 2 blocks of outputs),
-                // with all its 128 rows and with 17.
+                // Hopper's wgmma kernel with K split (64 stages, 2 blocks of outputs), with all
+                // its 128 rows and with 17; an odd stage count (9) with a new group every stage,
+                // and groups of 3 stages (G = 192) that start mid-pair.
                 gemm_case(m, 4096, 256, 128, act, seed);
-                seed += 1;
+                gemm_case(m, 576, 256, 64, act, seed + 1);
+                gemm_case(m, 1152, 128, 192, act, seed + 2);
+                seed += 3;
             }
             if m == 128 {
                 // Wide enough for the 4-m16-tile kernel.
