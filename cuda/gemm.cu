@@ -449,20 +449,38 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
 FORGE_GEMM_WG_ENTRY(f16, false)
 FORGE_GEMM_WG_ENTRY(bf16, true)
 
-// Sum of split-K partials ws[splits, MN] in split order, converted to the output dtype.
+// Sum of split-K partials ws[splits, MN] in split order, converted to the output dtype; four
+// outputs a thread (16-byte loads) when `vec` (MN % 4 == 0; ops.rs sets it for large MN, where
+// the loads dominate: a small MN split many ways wants more threads), else one.
 template <bool BF>
-__device__ __forceinline__ void w4a16_reduce_impl(const float* ws, u16* y, int splits, i64 mn) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= mn) return;
+__device__ __forceinline__ void w4a16_reduce_impl(const float* ws, u16* y, int splits, i64 mn, int vec) {
+    const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec) {
+        const i64 i = 4 * tid;
+        if (i >= mn) return;
+        float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int z = 0; z < splits; z++) {
+            const float4 v = *(const float4*)(ws + (i64)z * mn + i);
+            s.x = s.x + v.x;
+            s.y = s.y + v.y;
+            s.z = s.z + v.z;
+            s.w = s.w + v.w;
+        }
+        const float f[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) y[i + e] = BF ? f32_to_bf16_rn(f[e]) : f32_to_f16_rn(f[e]);
+        return;
+    }
+    if (tid >= mn) return;
     float s = 0.0f;
-    for (int z = 0; z < splits; z++) s = s + ws[(i64)z * mn + i];
-    y[i] = BF ? f32_to_bf16_rn(s) : f32_to_f16_rn(s);
+    for (int z = 0; z < splits; z++) s = s + ws[(i64)z * mn + tid];
+    y[tid] = BF ? f32_to_bf16_rn(s) : f32_to_f16_rn(s);
 }
-extern "C" __global__ void w4a16_reduce_f16(const float* ws, u16* y, int splits, i64 mn) {
-    w4a16_reduce_impl<false>(ws, y, splits, mn);
+extern "C" __global__ void w4a16_reduce_f16(const float* ws, u16* y, int splits, i64 mn, int vec) {
+    w4a16_reduce_impl<false>(ws, y, splits, mn, vec);
 }
-extern "C" __global__ void w4a16_reduce_bf16(const float* ws, u16* y, int splits, i64 mn) {
-    w4a16_reduce_impl<true>(ws, y, splits, mn);
+extern "C" __global__ void w4a16_reduce_bf16(const float* ws, u16* y, int splits, i64 mn, int vec) {
+    w4a16_reduce_impl<true>(ws, y, splits, mn, vec);
 }
 
 // ---------------------------------------------------------------------------------------

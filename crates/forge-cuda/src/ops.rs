@@ -1338,6 +1338,9 @@ pub unsafe fn w4a16_grouped_gemv_awq(a: &GroupedGemv, s: Stream) -> Result<()> {
     }
 }
 
+/// Smallest output count the split-K reduction sums four at a time.
+const REDUCE_VEC_MIN: usize = 1 << 16;
+
 /// Runs a split-K launch: `partials(ws)` writes `splits` fp32 partial outputs of `mn`
 /// elements into `ws`, then the reduction kernel sums them in split order into `y`. The
 /// workspace is the caller's (`workspace`: pointer, bytes), or 0 to allocate it
@@ -1380,14 +1383,18 @@ unsafe fn split_k(
     let res = (|| {
         partials(ws)?;
         let fr = reduce.ok_or_else(|| CudaError::MissingKernel("w4a16_reduce".into()))?;
-        let (mut pws, mut py, mut sp, mut n) = (ws, y, splits as i32, mn as i64);
-        let mut p = args!(pws, py, sp, n);
+        // Four outputs a thread for large outputs (cuda/gemm.cu `w4a16_reduce_impl`): measured
+        // faster at 2^18 and more (M=128 GEMMs), slower at 2048 (M=1, K split ~60 ways).
+        let vec = mn.is_multiple_of(4) && mn >= REDUCE_VEC_MIN;
+        let threads = if vec { mn / 4 } else { mn };
+        let (mut pws, mut py, mut sp, mut n, mut v) = (ws, y, splits as i32, mn as i64, vec as i32);
+        let mut p = args!(pws, py, sp, n, v);
         // SAFETY: ws holds splits·mn floats, y mn outputs.
         unsafe {
             launch(
                 dev,
                 fr,
-                (blocks(mn, 256)?, 1, 1),
+                (blocks(threads, 256)?, 1, 1),
                 (256, 1, 1),
                 0,
                 s.handle,

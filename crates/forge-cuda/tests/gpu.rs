@@ -485,9 +485,11 @@ fn w4a16_gemm_matches_cpu() {
                 seed += 3;
             }
             if m == 128 {
-                // Wide enough for the 4-m16-tile kernel.
+                // Wide enough for the 4-m16-tile kernel; and K split over enough outputs
+                // (128 x 1024) for the reduction's four-at-a-time path.
                 gemm_case(m, 256, 8448, 128, act, seed);
-                seed += 1;
+                gemm_case(m, 4096, 1024, 128, act, seed + 1);
+                seed += 2;
             }
         }
     }
