@@ -579,15 +579,30 @@ fn gemv3_shape(m: usize) -> (usize, usize) {
     }
 }
 
+/// Which W4A16 kernel a plan launches (cuda/gemm.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GemmKernel {
+    /// `w4a16_gemv_<dt>`: tensor-core GEMV (M <= 16, power-of-two G).
+    Gemv,
+    /// `w4a16_gemv3_<dt>_r<rows>`: SIMT GEMV (M <= 4) for `rows` rows.
+    Gemv3 { rows: usize },
+    /// `w4a16_awq_<dt>_m<mt>`: mma.sync tiles of `mt` m16 tiles per block.
+    Tiled { mt: usize },
+    /// `w4a16_wg_<dt>`: Hopper wgmma (M > 16).
+    Wgmma,
+}
+
+impl GemmKernel {
+    /// The GEMVs take log2 of the group size, the others the group size.
+    fn takes_log2_group(self) -> bool {
+        matches!(self, GemmKernel::Gemv | GemmKernel::Gemv3 { .. })
+    }
+}
+
 /// How the GEMM splits its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct GemmPlan {
-    /// The Hopper wgmma kernel (`w4a16_wg_<dt>`; `mt` is 0).
-    wgmma: bool,
-    /// 0 = GEMV or wgmma path, else m16 tiles per block of the tiled path.
-    mt: usize,
-    /// GEMV kernel version (1 or 2) when `mt == 0`.
-    gemv: usize,
+    kernel: GemmKernel,
     /// Blocks along N.
     nblocks: usize,
     /// Blocks along M.
@@ -596,14 +611,12 @@ struct GemmPlan {
     splits: usize,
     /// K per split (multiple of 32).
     k_chunk: usize,
-    /// Dynamic shared memory (GEMV path).
+    /// Dynamic shared memory (GEMV and wgmma kernels).
     smem: usize,
     /// Threads per block.
     threads: usize,
     /// Outputs (columns of N) per block.
     block_n: usize,
-    /// Row template of the version-3 GEMV kernel (1, 2 or 4; 0 otherwise).
-    rows: usize,
 }
 
 /// Number of K splits in `lo..=hi` whose grid (`base · s` equal blocks) best fills whole
@@ -711,9 +724,7 @@ fn gemm_plan(
             .min(stages.max(1));
         let per = stages.div_ceil(splits).max(1);
         return GemmPlan {
-            wgmma: true,
-            mt: 0,
-            gemv: 0,
+            kernel: GemmKernel::Wgmma,
             nblocks,
             mblocks,
             splits: stages.div_ceil(per),
@@ -721,7 +732,6 @@ fn gemm_plan(
             smem: W4A16_WG_SMEM as usize,
             threads: WG_THREADS,
             block_n: WG_BN,
-            rows: 0,
         };
     }
     if m <= GEMV3_MAX_M && gemv_ok && simt_gemv(m, n) {
@@ -730,9 +740,7 @@ fn gemm_plan(
         let nblocks = n.div_ceil(block_n);
         let (splits, k_chunk) = gemv3_splits(nblocks, slots, k);
         return GemmPlan {
-            wgmma: false,
-            mt: 0,
-            gemv: 3,
+            kernel: GemmKernel::Gemv3 { rows },
             nblocks,
             mblocks: 1,
             splits,
@@ -740,7 +748,6 @@ fn gemm_plan(
             smem: 0,
             threads: 32 * GEMV3_WARPS,
             block_n,
-            rows,
         };
     }
     if m <= 16 && gemv_ok {
@@ -757,9 +764,7 @@ fn gemm_plan(
         let xbytes = (2 * (m + 1) * (k_chunk + 8)).div_ceil(16) * 16;
         let smem = xbytes.max(3 * 32 * 32 * 4);
         return GemmPlan {
-            wgmma: false,
-            mt: 0,
-            gemv: 1,
+            kernel: GemmKernel::Gemv,
             nblocks,
             mblocks: 1,
             splits,
@@ -767,7 +772,6 @@ fn gemm_plan(
             smem,
             threads: 128,
             block_n: 64,
-            rows: 0,
         };
     }
     // FORGE_GEMM_MT=1|2|4 forces the m16 tiles per block of the tiled path (tuning aid).
@@ -790,9 +794,7 @@ fn gemm_plan(
     let per = tiles.div_ceil(splits).max(1);
     let splits = tiles.div_ceil(per);
     GemmPlan {
-        wgmma: false,
-        mt,
-        gemv: 0,
+        kernel: GemmKernel::Tiled { mt },
         nblocks,
         mblocks,
         splits,
@@ -800,21 +802,16 @@ fn gemm_plan(
         smem: 0,
         threads: 128,
         block_n: GEMM_BN,
-        rows: 0,
     }
 }
 
 fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
     let suffix = if act == DType::F16 { "f16" } else { "bf16" };
-    let mt = plan.mt;
-    let name = if plan.wgmma {
-        format!("w4a16_wg_{suffix}")
-    } else if mt == 0 && plan.gemv == 3 {
-        format!("w4a16_gemv3_{suffix}_r{}", plan.rows)
-    } else if mt == 0 {
-        format!("w4a16_gemv_{suffix}")
-    } else {
-        format!("w4a16_awq_{suffix}_m{mt}")
+    let name = match plan.kernel {
+        GemmKernel::Gemv => format!("w4a16_gemv_{suffix}"),
+        GemmKernel::Gemv3 { rows } => format!("w4a16_gemv3_{suffix}_r{rows}"),
+        GemmKernel::Tiled { mt } => format!("w4a16_awq_{suffix}_m{mt}"),
+        GemmKernel::Wgmma => format!("w4a16_wg_{suffix}"),
     };
     crate::kernels::all_kernels()
         .find(|k| *k == name)
@@ -1027,7 +1024,7 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
         to_i32("m", m)?,
         to_i32("n", n)?,
         to_i32("k", k)?,
-        if plan.mt == 0 && !plan.wgmma {
+        if plan.kernel.takes_log2_group() {
             group_size.trailing_zeros() as i32
         } else {
             group_size as i32
@@ -2103,7 +2100,7 @@ mod tests {
                 "{p:?}"
             );
             if m <= 16 {
-                assert_eq!(p.mt, 0);
+                assert!(p.kernel.takes_log2_group(), "{p:?}");
                 assert!(p.smem <= 96 * 1024, "{p:?}");
             } else {
                 assert!(p.splits <= 4);
@@ -2122,7 +2119,7 @@ mod tests {
         ] {
             assert!(wg_shape_ok(n, k, 64));
             let p = gemm_plan(132 * 4, m, n, k, true, Some(132));
-            assert!(p.wgmma && p.mt == 0, "{p:?}");
+            assert_eq!(p.kernel, GemmKernel::Wgmma, "{p:?}");
             assert!(
                 p.k_chunk.is_multiple_of(WG_BK)
                     && p.splits * p.k_chunk >= k
@@ -2143,7 +2140,10 @@ mod tests {
         assert_eq!(splits(128, 7168, 2048), 2);
         assert_eq!(splits(1024, 18432, 7168), 1);
         // Small M keeps the GEMV; shapes the kernel cannot take keep the tiled kernel.
-        assert!(!gemm_plan(132 * 4, 16, 2048, 7168, true, Some(132)).wgmma);
+        assert_ne!(
+            gemm_plan(132 * 4, 16, 2048, 7168, true, Some(132)).kernel,
+            GemmKernel::Wgmma
+        );
         assert!(
             !wg_shape_ok(96, 256, 64) && !wg_shape_ok(256, 96, 32) && !wg_shape_ok(256, 256, 32)
         );
