@@ -280,7 +280,12 @@ def test_cuda_finiteness_check_finds_one_bad_element(dtype, bad, where):
     w.view(-1)[where] = bad
     with pytest.raises(forge.errors.InvalidValueError, match="weight"):
         forge.build_quant_grid(w, 32)
-    # the batched GPTQ solve checks weight_t and hinv_chol
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, -1, 1000])
+def test_gptq_batched_refuses_one_bad_element(bad, where):
+    """The batched GPTQ solve checks ``weight_t`` and ``hinv_chol`` (here float32) the same way."""
     e, c, r = 2, 64, 32
     wt = torch.randn(e, c, r, device="cuda")
     u = torch.eye(c, device="cuda").expand(e, c, c).contiguous()

@@ -455,8 +455,8 @@ def quantize_pack_awq(
 
     ``check_finite=False`` skips the NaN/Inf checks of a CUDA weight (one extra read) and of
     ``scale_inv`` (a host sync each) when the grid was built from the same weight and scales,
-    which already checked them. ``scale_inv``: an FP8
-    weight's block scales, as for :func:`build_quant_grid`.
+    which already checked them. ``scale_inv``: an FP8 weight's block scales, as for
+    :func:`build_quant_grid`.
     """
     return _native.quantize_pack_awq(weight, qmeta, group_size, check_finite, scale_inv)
 
