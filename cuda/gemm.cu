@@ -265,9 +265,6 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float d[64], const u32 a[4],
     else FORGE_WG_RS("f16");
 }
 #undef FORGE_WG_RS
-// Pins the accumulators: their definitions (the zeroing) stay before the MMA pipeline and
-// their uses after it (else ptxas serializes every wgmma, C7515).
-__device__ __forceinline__ void wg_fence_acc(float (&d)[64]) { asm volatile("" : FORGE_WG_ACC_OPS(d)::"memory"); }
 // Marks registers as used (and changed) here, so that their values, read by MMAs still in
 // flight, are not moved and their registers not given to other values before this point.
 __device__ __forceinline__ void wg_keep(u32 (&r)[4]) {

@@ -281,17 +281,48 @@ FORGE_HESS_TC_ENTRY(f16, false)
 FORGE_HESS_TC_ENTRY(bf16, true)
 
 // ---- Hopper: wgmma (sm_90a) -----------------------------------------------------------------
-// The same tiles, walk and epilogue as hessian_tc, with warpgroup MMAs reading both operands
-// from shared memory: 2 warpgroups, each one m64n128k16 per 16 rows (its 64 features of the
-// tile's i-block against the tile's 128 features of the j-block). Shared memory holds each
-// stage as two 64-feature halves of [HW_K rows][64] (128 bytes a row), in the 128-byte
-// swizzle the MMA expects: 16-byte chunk c of row k at chunk c ^ (k % 8). Both operands are
-// "MN-major" (features contiguous): descriptor LBO = the step between 64-feature halves,
-// SBO = the step between groups of 8 rows (1024 bytes).
-#define HW_K HT_K  // ht_load moves HT_K rows a stage
-#define HW_ST 6
-#define HW_HALF (HW_K * 64)           // 16-bit elements of one 64-feature half of a stage
-#define HW_STAGE (2 * HW_HALF)        // one operand of one stage
+// Tiles of 128 × 256 (HW_TI features of the i-block × HW_TJ of the j-block): every tile that
+// holds an element on or above the diagonal, each writing those elements and mirroring them.
+// 2 warpgroups, each 64 rows of the tile against its 256 columns as two m64n128k16 MMAs per
+// 16 rows of X, both operands read from shared memory; HW_K = 64 rows of X a stage through a
+// HW_ST-stage cp.async pipeline (rows gathered by index, as ht_load). A 128 × 256 tile needs
+// 24 bytes of X per 16 K-products where a 128 × 128 one needs 32: the L2 → SM traffic that
+// held the 128 × 128 version to ~40 % of the tensor pipe.
+//
+// Shared memory holds each stage's operands as 64-feature "halves" of [HW_K rows][64]
+// (128 bytes a row, 8 KB), A's 2 then B's 4, in the 128-byte swizzle the MMA expects: 16-byte
+// chunk c of row k at chunk c ^ (k % 8). Both operands are "MN-major" (features contiguous):
+// descriptor LBO = the step between halves, SBO = the step between groups of 8 rows (1024 B).
+// A tile whose i-block lies inside its j-block (the diagonal ones) reads A from B's halves.
+#define HW_THREADS_WG 256
+#define HW_TI 128
+#define HW_TJ 256
+#define HW_K 64
+#define HW_ST 4
+#define HW_HALF (HW_K * 64)                       // 16-bit elements of one 64-feature half
+#define HW_STAGE ((HW_TI + HW_TJ) / 64 * HW_HALF)  // both operands of one stage
+#define HW_SROW (HW_TJ + 1)                       // row stride of the fp32 tile of the epilogue
+#define HW_GI 8                                    // the walk's groups: 8 i-blocks × 4 j-blocks
+#define HW_GJ 4
+
+// Tile (bi, bj) of block b among the tiles of 128 × 256 with bj >= bi / 2 (those holding an
+// element on or above the diagonal), walked in groups of HW_GI × HW_GJ tiles so that the
+// blocks resident at one time share the feature columns they read (as ht_tile).
+__device__ __forceinline__ void hw_tile(int b, int nbi, int nbj, int& bi, int& bj) {
+    const int ngi = (nbi + HW_GI - 1) / HW_GI, ngj = (nbj + HW_GJ - 1) / HW_GJ;
+    for (int gi = 0; gi < ngi; gi++) {
+        for (int gj = (gi * HW_GI / 2) / HW_GJ; gj < ngj; gj++) {
+            const int j1 = min(nbj, (gj + 1) * HW_GJ);
+            for (int i = gi * HW_GI; i < min(nbi, (gi + 1) * HW_GI); i++) {
+                const int j0 = max(gj * HW_GJ, i / 2), cnt = max(0, j1 - j0);
+                if (b < cnt) { bi = i; bj = j0 + b; return; }
+                b -= cnt;
+            }
+        }
+    }
+    bi = bj = 0;  // not reached: the grid has hw_tiles(D) blocks
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // d += A·B, both operands from shared memory (descriptors da, db), MN-major (transposed).
 #define FORGE_HW_WGMMA(DT)                                                                                  \
@@ -315,22 +346,58 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
     extern __shared__ __align__(16) u16 hs_smem[];
     // The swizzle pattern repeats every 1024 bytes from a 1024-byte boundary.
     u16* base = hs_smem + ((1024 - (smem_u32(hs_smem) & 1023)) & 1023) / 2;
-    HtBlock b;
-    if (!ht_block<HT_T>(H, off, T, D, b)) return;
-    const bool diag = b.diag;
+    int bi, bj;
+    hw_tile(blockIdx.x, (D + HW_TI - 1) / HW_TI, (D + HW_TJ - 1) / HW_TJ, bi, bj);
+    const int i0 = bi * HW_TI, j0 = bj * HW_TJ;
+    int r0 = 0, r1 = T;
+    if (off) { r0 = off[blockIdx.y]; r1 = off[blockIdx.y + 1]; }
+    if (r1 <= r0) return;
+    float* He = H + (i64)blockIdx.y * D * D;
+    // The i-block inside the j-block: A is B's halves (i0 - j0) / 64 and the next.
+    const bool a_in_b = i0 >= j0 && i0 < j0 + HW_TJ;
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
-    u16* As = base;
-    u16* Bs = base + HW_ST * HW_STAGE;
+
+    // Stage s: A's halves at base + s·HW_STAGE, B's after them; row k, 16-byte chunk c of a
+    // half at k·64 + ((c ^ k) & 7)·8. Each thread moves one row of a stage (4 threads a row):
+    // chunks q, q + 4, q + 8, ... of its 16 chunks of A (unless a_in_b) and 32 of B, so its
+    // shared-memory offsets are the same every stage and it reads one row index a stage, the
+    // next one's while this one's copies are issued.
+    const int lk = tid >> 2, lq = tid & 3;
+    const u32 o0 = (lk * 64 + (((lq ^ lk) & 7) << 3)) * 2, o1 = (lk * 64 + (((lq + 4) ^ lk) & 7) * 8) * 2;
+    const u32 sbase = smem_u32(base);
+    auto row_at = [&](int step) -> i64 {
+        const int t = r0 + step * HW_K + lk;
+        return t < r1 ? (idx ? (i64)idx[t] : (i64)t) * D : -1;
+    };
+    i64 next_row = row_at(0);
     auto load = [&](int step, int stage) {
-        const int st = stage * HW_STAGE;
-        ht_load(x, idx, D, b, step, As, Bs,
-                [&](int k, int ch) { return st + (ch >> 3) * HW_HALF + k * 64 + (((ch ^ k) & 7) << 3); });
+        const i64 xo = next_row;
+        next_row = row_at(step + 1);
+        const u16* xr = x + (xo < 0 ? 0 : xo);
+        const u32 st = sbase + stage * HW_STAGE * 2;
+        if (!a_in_b) {
+#pragma unroll
+            for (int i = 0; i < HW_TI / 32; i++) {
+                const int f = i0 + 8 * (lq + 4 * i);
+                const bool ok = xo >= 0 && f < D;
+                cp_async16_s(st + (i >> 1) * HW_HALF * 2 + (i & 1 ? o1 : o0), xr + (ok ? f : 0), ok ? 16 : 0);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < HW_TJ / 32; i++) {
+            const int f = j0 + 8 * (lq + 4 * i);
+            const bool ok = xo >= 0 && f < D;
+            cp_async16_s(st + (HW_TI / 64 + (i >> 1)) * HW_HALF * 2 + (i & 1 ? o1 : o0), xr + (ok ? f : 0),
+                         ok ? 16 : 0);
+        }
     };
 
-    float d[64];
+    float d0[64], d1[64];
 #pragma unroll
-    for (int i = 0; i < 64; i++) d[i] = 0.0f;
-    const int steps = (b.r1 - b.r0 + HW_K - 1) / HW_K;
+    for (int i = 0; i < 64; i++) { d0[i] = 0.0f; d1[i] = 0.0f; }
+    wg_fence_acc(d0);
+    wg_fence_acc(d1);
+    const int steps = (r1 - r0 + HW_K - 1) / HW_K;
     // Loads run HW_ST - 2 steps ahead and one step's MMAs stay in flight: the stage a load
     // overwrites was read by the MMAs of two steps before, finished by then.
 #pragma unroll
@@ -338,41 +405,72 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
         if (s < steps) load(s, s);
         cp_async_commit();
     }
+    const int a_half = a_in_b ? HW_TI / 64 + (i0 - j0) / 64 + wg : wg;
     for (int step = 0; step < steps; step++) {
         cp_async_wait<HW_ST - 3>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes → the MMA's reads
         __syncthreads();
-        if (step + HW_ST - 2 < steps) load(step + HW_ST - 2, (step + HW_ST - 2) % HW_ST);
-        cp_async_commit();
-        const u16* as = As + (step % HW_ST) * HW_STAGE + wg * HW_HALF;
-        const u16* bs = (diag ? As : Bs) + (step % HW_ST) * HW_STAGE;
+        const u16* st = base + (step % HW_ST) * HW_STAGE;
+        const u16* as = st + a_half * HW_HALF;
+        const u16* bs = st + HW_TI / 64 * HW_HALF;
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-        for (int kk = 0; kk < HW_K; kk += 16)
-            wgmma_m64n128k16<BF>(d, hw_desc(as + kk * 64, HW_HALF * 2), hw_desc(bs + kk * 64, HW_HALF * 2));
+        for (int kk = 0; kk < HW_K; kk += 16) {
+            const u64 da = hw_desc(as + kk * 64, HW_HALF * 2);
+            wgmma_m64n128k16<BF>(d0, da, hw_desc(bs + kk * 64, HW_HALF * 2));
+            wgmma_m64n128k16<BF>(d1, da, hw_desc(bs + 2 * HW_HALF + kk * 64, HW_HALF * 2));
+        }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        // The loads are issued while this step's MMAs run.
+        if (step + HW_ST - 2 < steps) load(step + HW_ST - 2, (step + HW_ST - 2) % HW_ST);
+        cp_async_commit();
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    wg_fence_acc(d0);
+    wg_fence_acc(d1);
     cp_async_wait<0>();
     __syncthreads();
 
     // Accumulator element 4j + c of thread (warp w of its warpgroup, lane l): row 16w + l/4
-    // (+8 for c >= 2), column 8j + 2(l%4) + (c & 1).
+    // (+8 for c >= 2), column 8j + 2(l%4) + (c & 1) (+128 in d1).
     float* S = reinterpret_cast<float*>(base);
     const int w = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
     for (int j = 0; j < 16; j++)
 #pragma unroll
-        for (int c = 0; c < 4; c++)
-            S[(wg * 64 + w * 16 + g + ((c >> 1) << 3)) * HT_SROW + j * 8 + 2 * t4 + (c & 1)] = d[4 * j + c];
+        for (int c = 0; c < 4; c++) {
+            float* srow = S + (wg * 64 + w * 16 + g + ((c >> 1) << 3)) * HW_SROW + j * 8 + 2 * t4 + (c & 1);
+            srow[0] = d0[4 * j + c];
+            srow[128] = d1[4 * j + c];
+        }
     __syncthreads();
-    ht_epilogue(S, b.He, D, b.i0, b.j0, diag, alpha);
+    // H[i, j] += alpha · S for the elements on or above the diagonal (i <= j), a row at a time
+    // (warp: a row, lanes: columns); then the mirror H[j, i] of those strictly above, rows
+    // j0 + a of H, columns i0 + c, from column a of S (odd row stride: no bank conflicts).
+    const int nw = blockDim.x >> 5;
+    for (int a = tid >> 5; a < HW_TI; a += nw) {
+        const int i = i0 + a;
+#pragma unroll
+        for (int cq = 0; cq < HW_TJ; cq += 32) {
+            const int j = j0 + cq + lane;
+            if (i <= j && j < D) He[(i64)i * D + j] += alpha * S[a * HW_SROW + cq + lane];
+        }
+    }
+    for (int a = tid >> 5; a < HW_TJ; a += nw) {
+        const int j = j0 + a;
+        if (j >= D) break;
+#pragma unroll
+        for (int cq = 0; cq < HW_TI; cq += 32) {
+            const int i = i0 + cq + lane;
+            if (i < j) He[(i64)j * D + i] += alpha * S[(cq + lane) * HW_SROW + a];
+        }
+    }
 #endif
 }
 
 #define FORGE_HESS_WG_ENTRY(SUF, BF)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, 1) hessian_wg_##SUF(const u16* x, float* H, const int* idx, \
+    extern "C" __global__ void __launch_bounds__(HW_THREADS_WG, 1) hessian_wg_##SUF(const u16* x, float* H, const int* idx, \
                                                                           const int* off, int T, int D, float alpha) { \
         hessian_wg_impl<BF>(x, H, idx, off, T, D, alpha);                                                     \
     }

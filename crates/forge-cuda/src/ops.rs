@@ -1516,14 +1516,12 @@ pub unsafe fn hessian_update(a: &HessianUpdate, s: Stream) -> Result<()> {
         }
         k => k,
     };
-    let (name, tile, smem) = match kernel {
-        HessianKernel::Wgmma => ("hessian_wg", 128, HESSIAN_WG_SMEM),
-        HessianKernel::MmaSync => ("hessian_tc", 128, HESSIAN_TC_SMEM),
-        _ => ("hessian_accum", 64, 0),
+    let (name, tiles, smem) = match kernel {
+        HessianKernel::Wgmma => ("hessian_wg", hessian_wg_tiles(a.d), HESSIAN_WG_SMEM),
+        HessianKernel::MmaSync => ("hessian_tc", upper_tiles(a.d, 128), HESSIAN_TC_SMEM),
+        _ => ("hessian_accum", upper_tiles(a.d, 64), 0),
     };
     let f = dev.function(kname(name, a.dtype)?)?;
-    let nb = a.d.div_ceil(tile);
-    let tiles = nb * (nb + 1) / 2;
     let (mut px, mut ph, mut pi, mut po) = (a.x, a.h, idx, offsets);
     let (mut tt, mut dd, mut al) = (to_i32("t", t)?, to_i32("d", a.d)?, a.alpha);
     let mut p = args!(px, ph, pi, po, tt, dd, al);
@@ -1541,10 +1539,24 @@ pub unsafe fn hessian_update(a: &HessianUpdate, s: Stream) -> Result<()> {
 /// the epilogue's 128 × 129 fp32 tile (the larger of the two).
 pub(crate) const HESSIAN_TC_SMEM: u32 = 128 * 129 * 4;
 
-/// Shared memory of `hessian_wg_<dt>` (Hopper): 6 stages of two 32 × 128 16-bit tiles (more
-/// than the epilogue's tile), plus 1 KB to start them on a 1024-byte boundary (where the MMA's
-/// 128-byte swizzle pattern repeats).
-pub(crate) const HESSIAN_WG_SMEM: u32 = 6 * 2 * 32 * 128 * 2 + 1024;
+/// Shared memory of `hessian_wg_<dt>` (Hopper): 4 stages of 64 rows × (128 + 256) 16-bit
+/// features (more than the epilogue's 128 × 257 fp32 tile), plus 1 KB to start them on a
+/// 1024-byte boundary (where the MMA's 128-byte swizzle pattern repeats).
+pub(crate) const HESSIAN_WG_SMEM: u32 = 4 * 64 * (128 + 256) * 2 + 1024;
+
+/// Tiles of `tile × tile` on or above the diagonal of a `d × d` Hessian (`hessian_accum` and
+/// `hessian_tc` blocks).
+fn upper_tiles(d: usize, tile: usize) -> usize {
+    let nb = d.div_ceil(tile);
+    nb * (nb + 1) / 2
+}
+
+/// Blocks of `hessian_wg`: the 128 × 256 tiles `(bi, bj)` with `bj >= bi / 2`, those holding
+/// an element on or above the diagonal (cuda/hessian.cu `hw_tile`).
+fn hessian_wg_tiles(d: usize) -> usize {
+    let nbj = d.div_ceil(256);
+    (0..d.div_ceil(128)).map(|bi| nbj - bi / 2).sum()
+}
 
 // ---------------------------------------------------------------------------------------
 // (e) GPTQ
@@ -2104,6 +2116,29 @@ mod tests {
                 assert!(p.smem <= 96 * 1024, "{p:?}");
             } else {
                 assert!(p.splits <= 4);
+            }
+        }
+    }
+
+    /// The Hessian grids cover exactly the tiles holding an element `i <= j` of `d × d`
+    /// (counted element by element here).
+    #[test]
+    fn hessian_tiles_cover_the_upper_triangle() {
+        for d in [8usize, 64, 128, 130, 256, 264, 384, 520, 776, 2048, 7168] {
+            for (ti, tj, got) in [
+                (64, 64, upper_tiles(d, 64)),
+                (128, 128, upper_tiles(d, 128)),
+                (128, 256, hessian_wg_tiles(d)),
+            ] {
+                let mut want = 0;
+                for bi in 0..d.div_ceil(ti) {
+                    for bj in 0..d.div_ceil(tj) {
+                        // Some i in the row block and j in the column block with i <= j < d.
+                        let (i_min, j_max) = (bi * ti, ((bj + 1) * tj).min(d) - 1);
+                        want += usize::from(i_min <= j_max);
+                    }
+                }
+                assert_eq!(got, want, "d {d}, tiles {ti} x {tj}");
             }
         }
     }

@@ -756,7 +756,15 @@ fn hessian_matches_f64() {
     assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
     let mut r = Lcg(41);
     for dt in [DType::F32, DType::F16, DType::Bf16] {
-        for (t, d) in [(300usize, 200usize), (64, 64), (1000, 130)] {
+        // 520 and 1032: several 128 × 256 Hopper tiles, partial ones, and (1032) more than
+        // one of its 8 × 4 tile groups.
+        for (t, d) in [
+            (300usize, 200usize),
+            (64, 64),
+            (1000, 130),
+            (200, 520),
+            (90, 1032),
+        ] {
             let xf: Vec<f32> = (0..t * d).map(|_| r.n()).collect();
             let (bytes, xr) = float_rows(dt, &xf);
             let dx = DeviceBuf::from_slice(0, &bytes).unwrap();
