@@ -283,56 +283,68 @@ FORGE_HESS_TC_ENTRY(bf16, true)
 // ---- Hopper: wgmma (sm_90a) -----------------------------------------------------------------
 // Tiles of 128 × 256 (HW_TI features of the i-block × HW_TJ of the j-block): every tile that
 // holds an element on or above the diagonal, each writing those elements and mirroring them.
-// 2 warpgroups, each 64 rows of the tile against its 256 columns as two m64n128k16 MMAs per
-// 16 rows of X, both operands read from shared memory; HW_K = 64 rows of X a stage through a
-// HW_ST-stage cp.async pipeline (rows gathered by index, as ht_load). A 128 × 256 tile needs
-// 24 bytes of X per 16 K-products where a 128 × 128 one needs 32: the L2 → SM traffic that
-// held the 128 × 128 version to ~40 % of the tensor pipe.
+// Warp-specialized, 3 warpgroups: the producer (the third) gathers HW_K = 64 rows of X a stage
+// into a HW_ST-stage ring with cp.async, rows read by index (as ht_load); the two consumers
+// each multiply 64 rows of the tile against its 256 columns, one m64n256k16 MMA per 16 rows
+// of X with both operands in shared memory. mbarriers hand the stages over: full[s] when the
+// producer's copies into stage s have landed, empty[s] when both consumers' MMAs that read it
+// are done. A 128 × 256 tile needs 24 bytes of X per 16 K-products where a 128 × 128 one
+// needs 32.
 //
 // Shared memory holds each stage's operands as 64-feature "halves" of [HW_K rows][64]
 // (128 bytes a row, 8 KB), A's 2 then B's 4, in the 128-byte swizzle the MMA expects: 16-byte
 // chunk c of row k at chunk c ^ (k % 8). Both operands are "MN-major" (features contiguous):
 // descriptor LBO = the step between halves, SBO = the step between groups of 8 rows (1024 B).
 // A tile whose i-block lies inside its j-block (the diagonal ones) reads A from B's halves.
-#define HW_THREADS_WG 256
+#define HW_THREADS_WG 384  // 2 consumer warpgroups and the producer
 #define HW_TI 128
 #define HW_TJ 256
 #define HW_K 64
 #define HW_ST 4
 #define HW_HALF (HW_K * 64)                       // 16-bit elements of one 64-feature half
 #define HW_STAGE ((HW_TI + HW_TJ) / 64 * HW_HALF)  // both operands of one stage
-#define HW_SROW (HW_TJ + 1)                       // row stride of the fp32 tile of the epilogue
+#define HW_SROW (HW_TJ + 8)                       // row strides of the epilogue's fp32 tile and of
+#define HW_TROW (HW_TI + 4)                       // its transpose (16-byte rows, no bank conflicts)
 #define HW_GI 8                                    // the walk's groups: 8 i-blocks × 4 j-blocks
 #define HW_GJ 4
 
 // Tile (bi, bj) of block b among the tiles of 128 × 256 with bj >= bi / 2 (those holding an
-// element on or above the diagonal), walked in groups of HW_GI × HW_GJ tiles so that the
-// blocks resident at one time share the feature columns they read (as ht_tile).
+// element on or above the diagonal), walked in groups of HW_GI × HW_GJ tiles, row-major in a
+// group, so that the blocks resident at one time share the feature columns they read (as
+// ht_tile). Row group gi (i-blocks 8gi ..) starts with its diagonal group (j-blocks 4gi ..
+// 4gi + 3, from i / 2 in row i), then whole groups of 4 j-blocks (the last one narrower).
 __device__ __forceinline__ void hw_tile(int b, int nbi, int nbj, int& bi, int& bj) {
-    const int ngi = (nbi + HW_GI - 1) / HW_GI, ngj = (nbj + HW_GJ - 1) / HW_GJ;
-    for (int gi = 0; gi < ngi; gi++) {
-        for (int gj = (gi * HW_GI / 2) / HW_GJ; gj < ngj; gj++) {
-            const int j1 = min(nbj, (gj + 1) * HW_GJ);
-            for (int i = gi * HW_GI; i < min(nbi, (gi + 1) * HW_GI); i++) {
-                const int j0 = max(gj * HW_GJ, i / 2), cnt = max(0, j1 - j0);
-                if (b < cnt) { bi = i; bj = j0 + b; return; }
-                b -= cnt;
-            }
+    for (int ia = 0; ia < nbi; ia += HW_GI) {
+        const int ib = min(nbi, ia + HW_GI), jd = min(nbj, ia / 2 + HW_GJ), rows = ib - ia;
+        for (int i = ia; i < ib; i++) {
+            const int cnt = max(0, jd - i / 2);
+            if (b < cnt) { bi = i; bj = i / 2 + b; return; }
+            b -= cnt;
         }
+        const int rest = rows * (nbj - jd);
+        if (b < rest) {
+            const int g = b / (rows * HW_GJ), jg = jd + g * HW_GJ, w = min(HW_GJ, nbj - jg);
+            const int r = b - g * rows * HW_GJ;
+            bi = ia + r / w;
+            bj = jg + r % w;
+            return;
+        }
+        b -= rest;
     }
     bi = bj = 0;  // not reached: the grid has hw_tiles(D) blocks
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// d += A·B, both operands from shared memory (descriptors da, db), MN-major (transposed).
+// d += A·B (d: lo = columns 0-127, hi = 128-255), both operands from shared memory
+// (descriptors da, db), MN-major (transposed).
 #define FORGE_HW_WGMMA(DT)                                                                                  \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                             \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." DT "." DT " " FORGE_WG_ACC_REGS              \
-                 ", %64, %65, p, 1, 1, 1, 1;\n}\n"                                                           \
-                 : FORGE_WG_ACC_OPS(d)                                                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                            \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." DT "." DT " " FORGE_WG_ACC256_REGS           \
+                 ", %128, %129, p, 1, 1, 1, 1;\n}\n"                                                         \
+                 : FORGE_WG_ACC_OPS(lo), FORGE_WG_ACC_OPS(hi)                                                \
                  : "l"(da), "l"(db), "r"(1))
 template <bool BF>
-__device__ __forceinline__ void wgmma_m64n128k16(float d[64], u64 da, u64 db) {
+__device__ __forceinline__ void wgmma_m64n256k16(float (&lo)[64], float (&hi)[64], u64 da, u64 db) {
     if (BF) FORGE_HW_WGMMA("bf16");
     else FORGE_HW_WGMMA("f16");
 }
@@ -356,116 +368,152 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
     // The i-block inside the j-block: A is B's halves (i0 - j0) / 64 and the next.
     const bool a_in_b = i0 >= j0 && i0 < j0 + HW_TJ;
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
-
-    // Stage s: A's halves at base + s·HW_STAGE, B's after them; row k, 16-byte chunk c of a
-    // half at k·64 + ((c ^ k) & 7)·8. Each thread moves one row of a stage (4 threads a row):
-    // chunks q, q + 4, q + 8, ... of its 16 chunks of A (unless a_in_b) and 32 of B, so its
-    // shared-memory offsets are the same every stage and it reads one row index a stage, the
-    // next one's while this one's copies are issued.
-    const int lk = tid >> 2, lq = tid & 3;
-    const u32 o0 = (lk * 64 + (((lq ^ lk) & 7) << 3)) * 2, o1 = (lk * 64 + (((lq + 4) ^ lk) & 7) * 8) * 2;
-    const u32 sbase = smem_u32(base);
-    auto row_at = [&](int step) -> i64 {
-        const int t = r0 + step * HW_K + lk;
-        return t < r1 ? (idx ? (i64)idx[t] : (i64)t) * D : -1;
-    };
-    i64 next_row = row_at(0);
-    auto load = [&](int step, int stage) {
-        const i64 xo = next_row;
-        next_row = row_at(step + 1);
-        const u16* xr = x + (xo < 0 ? 0 : xo);
-        const u32 st = sbase + stage * HW_STAGE * 2;
-        if (!a_in_b) {
-#pragma unroll
-            for (int i = 0; i < HW_TI / 32; i++) {
-                const int f = i0 + 8 * (lq + 4 * i);
-                const bool ok = xo >= 0 && f < D;
-                cp_async16_s(st + (i >> 1) * HW_HALF * 2 + (i & 1 ? o1 : o0), xr + (ok ? f : 0), ok ? 16 : 0);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < HW_TJ / 32; i++) {
-            const int f = j0 + 8 * (lq + 4 * i);
-            const bool ok = xo >= 0 && f < D;
-            cp_async16_s(st + (HW_TI / 64 + (i >> 1)) * HW_HALF * 2 + (i & 1 ? o1 : o0), xr + (ok ? f : 0),
-                         ok ? 16 : 0);
-        }
-    };
-
-    float d0[64], d1[64];
-#pragma unroll
-    for (int i = 0; i < 64; i++) { d0[i] = 0.0f; d1[i] = 0.0f; }
-    wg_fence_acc(d0);
-    wg_fence_acc(d1);
     const int steps = (r1 - r0 + HW_K - 1) / HW_K;
-    // Loads run HW_ST - 2 steps ahead and one step's MMAs stay in flight: the stage a load
-    // overwrites was read by the MMAs of two steps before, finished by then.
-#pragma unroll
-    for (int s = 0; s < HW_ST - 2; s++) {
-        if (s < steps) load(s, s);
-        cp_async_commit();
-    }
-    const int a_half = a_in_b ? HW_TI / 64 + (i0 - j0) / 64 + wg : wg;
-    for (int step = 0; step < steps; step++) {
-        cp_async_wait<HW_ST - 3>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes → the MMA's reads
-        __syncthreads();
-        const u16* st = base + (step % HW_ST) * HW_STAGE;
-        const u16* as = st + a_half * HW_HALF;
-        const u16* bs = st + HW_TI / 64 * HW_HALF;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < HW_K; kk += 16) {
-            const u64 da = hw_desc(as + kk * 64, HW_HALF * 2);
-            wgmma_m64n128k16<BF>(d0, da, hw_desc(bs + kk * 64, HW_HALF * 2));
-            wgmma_m64n128k16<BF>(d1, da, hw_desc(bs + 2 * HW_HALF + kk * 64, HW_HALF * 2));
+    const u32 sbase = smem_u32(base);
+    // The mbarriers, after the stages: full[s] at bar + 8s, empty[s] at bar + 8(HW_ST + s).
+    const u32 bar = sbase + HW_ST * HW_STAGE * 2;
+    if (tid == 0) {
+        for (int s = 0; s < HW_ST; s++) {
+            mbar_init(bar + 8 * s, 128);                // every producer thread's copies
+            mbar_init(bar + 8 * (HW_ST + s), 8);        // lane 0 of every consumer warp
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        // The loads are issued while this step's MMAs run.
-        if (step + HW_ST - 2 < steps) load(step + HW_ST - 2, (step + HW_ST - 2) % HW_ST);
-        cp_async_commit();
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    wg_fence_acc(d0);
-    wg_fence_acc(d1);
-    cp_async_wait<0>();
     __syncthreads();
 
-    // Accumulator element 4j + c of thread (warp w of its warpgroup, lane l): row 16w + l/4
-    // (+8 for c >= 2), column 8j + 2(l%4) + (c & 1) (+128 in d1).
-    float* S = reinterpret_cast<float*>(base);
-    const int w = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
+    float d0[64], d1[64];  // consumers: the tile's rows 64·wg.., columns 0-127 and 128-255
+    if (wg == 2) {
+        // Producer: thread p moves rows p / 8 + 16r (r < HW_K / 16) of each stage, chunk p % 8 of each
+        // half of A (unless a_in_b) and B: a warp's copy covers 4 rows × 128 contiguous bytes
+        // (whole L2 lines). Chunk p % 8 of row k sits at chunk (p ^ k) % 8 of the half's row,
+        // the same for the thread's 4 rows (16 ≡ 0 mod 8), so its shared offsets are the
+        // same every stage; it reads its rows' indices for the next stage while this one's
+        // copies go.
+        const int p = tid - 256, lk = p >> 3, lq = p & 7;
+        const u32 o = (lk * 64 + ((lq ^ lk) & 7) * 8) * 2;
+        auto rows_at = [&](int step, i64 (&r)[HW_K / 16]) {
 #pragma unroll
-    for (int j = 0; j < 16; j++)
+            for (int q = 0; q < HW_K / 16; q++) {
+                const int t = r0 + step * HW_K + lk + 16 * q;
+                r[q] = t < r1 ? (idx ? (i64)idx[t] : (i64)t) * D : -1;
+            }
+        };
+        i64 next[HW_K / 16];
+        rows_at(0, next);
+        for (int step = 0; step < steps; step++) {
+            const int s = step % HW_ST;
+            if (step >= HW_ST) mbar_wait(bar + 8 * (HW_ST + s), (step / HW_ST - 1) & 1);
+            i64 xo[HW_K / 16];
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-            float* srow = S + (wg * 64 + w * 16 + g + ((c >> 1) << 3)) * HW_SROW + j * 8 + 2 * t4 + (c & 1);
-            srow[0] = d0[4 * j + c];
-            srow[128] = d1[4 * j + c];
+            for (int q = 0; q < HW_K / 16; q++) xo[q] = next[q];
+            rows_at(step + 1, next);
+            const u32 st = sbase + s * HW_STAGE * 2 + o;
+#pragma unroll
+            for (int q = 0; q < HW_K / 16; q++) {
+                const u16* xr = x + (xo[q] < 0 ? 0 : xo[q]);
+                const u32 sq = st + q * 16 * 128;  // 16 rows of 128 bytes further
+                if (!a_in_b) {
+#pragma unroll
+                    for (int h = 0; h < HW_TI / 64; h++) {
+                        const int f = i0 + 64 * h + 8 * lq;
+                        const bool ok = xo[q] >= 0 && f < D;
+                        cp_async16_s(sq + h * HW_HALF * 2, xr + (ok ? f : 0), ok ? 16 : 0);
+                    }
+                }
+#pragma unroll
+                for (int h = 0; h < HW_TJ / 64; h++) {
+                    const int f = j0 + 64 * h + 8 * lq;
+                    const bool ok = xo[q] >= 0 && f < D;
+                    cp_async16_s(sq + (HW_TI / 64 + h) * HW_HALF * 2, xr + (ok ? f : 0), ok ? 16 : 0);
+                }
+            }
+            cp_async_mbar_arrive(bar + 8 * s);
         }
+        cp_async_wait<0>();
+    } else {
+#pragma unroll
+        for (int i = 0; i < 64; i++) { d0[i] = 0.0f; d1[i] = 0.0f; }
+        wg_fence_acc(d0);
+        wg_fence_acc(d1);
+        const int a_half = a_in_b ? HW_TI / 64 + (i0 - j0) / 64 + wg : wg;
+        for (int step = 0; step < steps; step++) {
+            const int s = step % HW_ST;
+            mbar_wait(bar + 8 * s, (step / HW_ST) & 1);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes → the MMA's reads
+            const u16* st = base + s * HW_STAGE;
+            const u16* as = st + a_half * HW_HALF;
+            const u16* bs = st + HW_TI / 64 * HW_HALF;
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < HW_K; kk += 16)
+                wgmma_m64n256k16<BF>(d0, d1, hw_desc(as + kk * 64, HW_HALF * 2), hw_desc(bs + kk * 64, HW_HALF * 2));
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            // One step's MMAs stay in flight; the previous step's are done: its stage is free.
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            if (step > 0 && lane == 0) mbar_arrive(bar + 8 * (HW_ST + (step - 1) % HW_ST));
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_fence_acc(d0);
+        wg_fence_acc(d1);
+    }
     __syncthreads();
-    // H[i, j] += alpha · S for the elements on or above the diagonal (i <= j), a row at a time
-    // (warp: a row, lanes: columns); then the mirror H[j, i] of those strictly above, rows
-    // j0 + a of H, columns i0 + c, from column a of S (odd row stride: no bank conflicts).
-    const int nw = blockDim.x >> 5;
-    for (int a = tid >> 5; a < HW_TI; a += nw) {
-        const int i = i0 + a;
+
+    // The epilogue adds the tile to H in L2 (bulk reductions from shared memory: the SM does
+    // not wait on H's 512 KB of read-modify-write, which bounded tiles of a few thousand rows):
+    // first alpha · tile, a row of H per op from column max(j0, i) (down to a multiple of 4),
+    // then its mirror, alpha · tileᵀ, row j of H from column i0 to j (up to a multiple of 4).
+    // The elements of the ops' edge vectors on the other side of the diagonal are staged as
+    // zeros (adding 0 changes nothing, and the adds are atomic where a neighbour tile owns
+    // them), so H stays exactly symmetric. Accumulator element 4j + c of thread (warp w of its
+    // warpgroup, lane l): tile row 64·wg + 16w + l/4 (+8 for c >= 2), column 8j + 2(l%4) +
+    // (c & 1) (+128 in d1): the transposed staging is conflict-free, the other 2-way.
+    float* S = reinterpret_cast<float*>(base);
+    auto stage = [&](bool mirror) {
+        if (wg >= 2) return;
+        const int w = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
-        for (int cq = 0; cq < HW_TJ; cq += 32) {
-            const int j = j0 + cq + lane;
-            if (i <= j && j < D) He[(i64)i * D + j] += alpha * S[a * HW_SROW + cq + lane];
-        }
-    }
-    for (int a = tid >> 5; a < HW_TJ; a += nw) {
-        const int j = j0 + a;
-        if (j >= D) break;
+        for (int j = 0; j < 16; j++)
 #pragma unroll
-        for (int cq = 0; cq < HW_TI; cq += 32) {
-            const int i = i0 + cq + lane;
-            if (i < j) He[(i64)j * D + i] += alpha * S[(cq + lane) * HW_SROW + a];
+            for (int c = 0; c < 4; c++)
+#pragma unroll
+                for (int hi = 0; hi < 2; hi++) {
+                    const int r = wg * 64 + w * 16 + g + ((c >> 1) << 3), q = hi * 128 + j * 8 + 2 * t4 + (c & 1);
+                    const float v = alpha * (hi ? d1 : d0)[4 * j + c];
+                    if (mirror) S[q * HW_TROW + r] = i0 + r < j0 + q ? v : 0.0f;
+                    else S[r * HW_SROW + q] = i0 + r <= j0 + q ? v : 0.0f;
+                }
+    };
+    auto reduce_rows = [&](bool mirror) {
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the staging → the bulk reads
+        __syncthreads();
+        if (tid < (mirror ? HW_TJ : HW_TI)) {
+            int row, c0, c1;  // H row, columns [c0, c1)
+            u32 src;
+            if (mirror) {
+                row = j0 + tid;
+                c0 = i0;
+                c1 = min(i0 + HW_TI, (row + 3) & ~3);
+                src = sbase + tid * HW_TROW * 4;
+            } else {
+                row = i0 + tid;
+                c0 = max(j0, row & ~3);
+                c1 = min(j0 + HW_TJ, D);
+                src = sbase + (tid * HW_SROW + c0 - j0) * 4;
+            }
+            if (row < D && c1 > c0) {
+                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                                 He + (i64)row * D + c0),
+                             "r"(src), "r"((c1 - c0) * 4)
+                             : "memory");
+            }
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
         }
-    }
+        __syncthreads();
+    };
+    stage(false);
+    reduce_rows(false);
+    stage(true);
+    reduce_rows(true);
 #endif
 }
 

@@ -1419,7 +1419,8 @@ pub enum HessianKernel {
     Simt,
     /// mma.sync tensor cores (`hessian_tc_<dt>`): 16-bit inputs, D % 8 == 0, 16-byte aligned x.
     MmaSync,
-    /// Hopper warpgroup MMA (`hessian_wg_<dt>`): as `MmaSync`, on compute capability 9.0 only.
+    /// Hopper warpgroup MMA (`hessian_wg_<dt>`): as `MmaSync`, on compute capability 9.0 only,
+    /// with `h` 16-byte aligned.
     Wgmma,
 }
 
@@ -1495,9 +1496,11 @@ pub unsafe fn hessian_update(a: &HessianUpdate, s: Stream) -> Result<()> {
     let tc = matches!(a.dtype, DType::F16 | DType::Bf16)
         && a.d.is_multiple_of(8)
         && a.x.is_multiple_of(16);
+    // hessian_wg also updates H as float4s.
     let hopper = dev.cc == (9, 0);
+    let wg_ok = hopper && a.h.is_multiple_of(16);
     let kernel = match a.kernel {
-        HessianKernel::Auto if tc && hopper => HessianKernel::Wgmma,
+        HessianKernel::Auto if tc && wg_ok => HessianKernel::Wgmma,
         HessianKernel::Auto if tc => HessianKernel::MmaSync,
         HessianKernel::Auto => HessianKernel::Simt,
         HessianKernel::MmaSync | HessianKernel::Wgmma if !tc => {
@@ -1507,19 +1510,19 @@ pub unsafe fn hessian_update(a: &HessianUpdate, s: Stream) -> Result<()> {
                 format!("{:?}, D = {}", a.dtype, a.d),
             ))
         }
-        HessianKernel::Wgmma if !hopper => {
+        HessianKernel::Wgmma if !wg_ok => {
             return Err(CudaError::arg(
                 "kernel",
-                "compute capability 9.0 for Wgmma",
-                format!("{:?}", dev.cc),
+                "compute capability 9.0 and a 16-byte aligned h for Wgmma",
+                format!("{:?}, h at {:#x}", dev.cc, a.h),
             ))
         }
         k => k,
     };
-    let (name, tiles, smem) = match kernel {
-        HessianKernel::Wgmma => ("hessian_wg", hessian_wg_tiles(a.d), HESSIAN_WG_SMEM),
-        HessianKernel::MmaSync => ("hessian_tc", upper_tiles(a.d, 128), HESSIAN_TC_SMEM),
-        _ => ("hessian_accum", upper_tiles(a.d, 64), 0),
+    let (name, tiles, smem, threads) = match kernel {
+        HessianKernel::Wgmma => ("hessian_wg", hessian_wg_tiles(a.d), HESSIAN_WG_SMEM, 384),
+        HessianKernel::MmaSync => ("hessian_tc", upper_tiles(a.d, 128), HESSIAN_TC_SMEM, 256),
+        _ => ("hessian_accum", upper_tiles(a.d, 64), 0, 256),
     };
     let f = dev.function(kname(name, a.dtype)?)?;
     let (mut px, mut ph, mut pi, mut po) = (a.x, a.h, idx, offsets);
@@ -1531,8 +1534,8 @@ pub unsafe fn hessian_update(a: &HessianUpdate, s: Stream) -> Result<()> {
         1,
     );
     // SAFETY: parameter list matches hessian_accum_<dt>, hessian_tc_<dt> and hessian_wg_<dt>
-    // (256 threads each).
-    unsafe { launch(dev, f, grid, (256, 1, 1), smem, s.handle, &mut p) }
+    // (256 threads, 384 for hessian_wg's three warpgroups).
+    unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) }
 }
 
 /// Shared memory of `hessian_tc_<dt>`: 4 stages of two 32 × 128 16-bit tiles, reused by
@@ -1540,9 +1543,9 @@ pub unsafe fn hessian_update(a: &HessianUpdate, s: Stream) -> Result<()> {
 pub(crate) const HESSIAN_TC_SMEM: u32 = 128 * 129 * 4;
 
 /// Shared memory of `hessian_wg_<dt>` (Hopper): 4 stages of 64 rows × (128 + 256) 16-bit
-/// features (more than the epilogue's 128 × 257 fp32 tile), plus 1 KB to start them on a
-/// 1024-byte boundary (where the MMA's 128-byte swizzle pattern repeats).
-pub(crate) const HESSIAN_WG_SMEM: u32 = 4 * 64 * (128 + 256) * 2 + 1024;
+/// features (more than the epilogue's 128 × 257 fp32 tile) and their 8 mbarriers, plus 1 KB
+/// to start them on a 1024-byte boundary (where the MMA's 128-byte swizzle pattern repeats).
+pub(crate) const HESSIAN_WG_SMEM: u32 = 4 * 64 * (128 + 256) * 2 + 16 * 8 + 1024;
 
 /// Tiles of `tile × tile` on or above the diagonal of a `d × d` Hessian (`hessian_accum` and
 /// `hessian_tc` blocks).

@@ -853,6 +853,57 @@ fn hessian_matches_f64() {
     eprintln!("hessian (plain f32/f16/bf16 and segmented): within fp32 tolerance");
 }
 
+/// The Hopper kernel updates H as float4s: with an H that is only 4-byte aligned, an explicit
+/// `Wgmma` is refused naming `h`, and `Auto` takes another kernel, with the same sums (to
+/// fp32 rounding) as on an aligned H.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn hessian_wgmma_needs_aligned_h() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    if status().compute_capability != Some((9, 0)) {
+        eprintln!("not a compute capability 9.0 device: nothing to check");
+        return;
+    }
+    let (t, d) = (200usize, 264usize);
+    let mut r = Lcg(77);
+    let xf: Vec<f32> = (0..t * d).map(|_| r.n()).collect();
+    let (bytes, _) = float_rows(DType::Bf16, &xf);
+    let dx = DeviceBuf::from_slice(0, &bytes).unwrap();
+    let dh = DeviceBuf::zeroed(0, (d * d + 1) * 4).unwrap();
+    let mut a = ops::HessianUpdate {
+        x: dx.ptr(),
+        dtype: DType::Bf16,
+        d,
+        rows: ops::HessianRows::All { t },
+        h: dh.ptr() + 4,
+        alpha: 1.0,
+        kernel: ops::HessianKernel::Wgmma,
+    };
+    let err = unsafe { ops::hessian_update(&a, S) }
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("16-byte aligned h"), "{err}");
+    a.kernel = ops::HessianKernel::Auto;
+    unsafe { ops::hessian_update(&a, S) }.unwrap();
+    synchronize(0).unwrap();
+    let got: Vec<f32> = dh.download().unwrap();
+    let aligned = DeviceBuf::zeroed(0, d * d * 4).unwrap();
+    let want = hessian_run(
+        &dx,
+        DType::Bf16,
+        d,
+        ops::HessianRows::All { t },
+        &aligned,
+        1.0,
+        ops::HessianKernel::Wgmma,
+    );
+    assert_eq!(got[0], 0.0, "the float before H is untouched");
+    for (i, (&g, &w)) in got[1..].iter().zip(&want).enumerate() {
+        // Both sum the same exact products of unit-scale inputs, in another order.
+        assert!((g - w).abs() <= 4e-6 * t as f32, "H[{i}]: {g} vs {w}");
+    }
+}
+
 fn gptq_problem(
     c: usize,
     r: usize,
