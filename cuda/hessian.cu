@@ -2,10 +2,12 @@
 // for routed experts: for expert e, the rows idx[off[e] .. off[e+1]) of X go into
 // H_e = H + e·D·D (one launch for every expert: blockIdx.y is the expert).
 //
-// Three kernels, all computing only the tiles on and above the diagonal and mirroring them
-// (H stays exactly symmetric), walked in 8×8 groups of tiles by the shared ht_tile / ht_block:
-//  - hessian_wg_<f16|bf16> (Hopper, sm_90a; below, after the shared pieces): the same tiles,
-//    walk, loader and epilogue as hessian_tc, with warpgroup MMAs.
+// Three kernels, all computing only the tiles that hold elements on or above the diagonal and
+// mirroring those elements (H stays exactly symmetric):
+//  - hessian_wg_<f16|bf16> (Hopper, sm_90a; at the end): 128 × 256 tiles, warp-specialized
+//    (a producer warpgroup gathering rows, two consumers on warpgroup MMAs), the tile added
+//    to H by bulk reductions in L2; its own walk (hw_tile).
+// The other two share 128 × 128 (64 × 64) tiles walked in 8×8 groups by ht_tile / ht_block:
 //  - hessian_tc_<f16|bf16>: tensor cores, for 16-bit inputs with D % 8 == 0 and a 16-byte
 //    aligned X. mma.sync m16n8k16, fp32 accumulate: a product of two 16-bit values is exact
 //    in fp32, so this sums the same exact products as the SIMT kernel, in another order.
