@@ -257,6 +257,44 @@ def test_hessian_update_and_segments(dtype):
         torch.testing.assert_close(hs[i].double().cpu(), xe.T @ xe, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hessian_update_tensor_cores_large(dtype):
+    """The tensor-core path (on Hopper the warp-specialized 128 × 256 tile kernel: several tile
+    groups, partial tiles, diagonal tiles, segments that end inside a 64-row stage, an empty
+    one) adds alpha · XᵀX to a non-zero H within fp32 rounding of float64 and keeps it exactly
+    symmetric; an H that is not 16-byte aligned (another kernel) gets the same sums."""
+    g = torch.Generator().manual_seed(12)
+    t, d = 777, 1032
+    x = (torch.randn(t, d, generator=g) * torch.rand(d, generator=g)).to(dtype)
+    base = torch.randn(d, d, generator=g)
+    base = base + base.T
+    xd = x.double()
+
+    def check(got, ref, rows):
+        assert torch.equal(got, got.T)
+        err = float((got.cpu().double() - ref).abs().max() / ref.abs().max())
+        assert err < max(rows, 128) * 2.0**-24, err
+
+    h = base.cuda()
+    forge.hessian_update(h, x.cuda(), 0.25)
+    check(h, base.double() + 0.25 * xd.T @ xd, t)
+    # The same sums into a 4-byte-offset H.
+    buf = torch.zeros(d * d + 1, device="cuda")
+    hm = buf[1:].view(d, d)
+    hm.copy_(base)
+    forge.hessian_update(hm, x.cuda(), 0.25)
+    check(hm, base.double() + 0.25 * xd.T @ xd, t)
+    assert float((hm - h).abs().max()) <= 1e-5 * float(h.abs().max())
+    counts = [200, 0, 63, 65, 449]
+    idx = torch.randperm(t, generator=g)[: sum(counts)].to(torch.int32)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    hs = base.expand(len(counts), d, d).contiguous().cuda()
+    forge.hessian_update_segmented(hs, x.cuda(), idx.cuda(), offsets.cuda(), 1.0)
+    for i in range(len(counts)):
+        xe = xd[idx[offsets[i] : offsets[i + 1]].long()]
+        check(hs[i], base.double() + xe.T @ xe, max(counts[i], 1))
+
+
 def test_cuda_rejects_bad_input():
     w = torch.randn(8, 64, device="cuda")
     w[3, 5] = float("nan")
