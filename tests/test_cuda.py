@@ -239,6 +239,27 @@ def test_gram_blocks_match_float64(t, d):
     assert float((got.double() - ref).abs().max() / ref.abs().max()) < max(t, 128) * 2.0**-24
 
 
+@pytest.mark.parametrize("t,d", [(3000, 4104), (8192, 2048), (16384, 4096)])
+def test_add_gram_matches_float64(t, d):
+    """calibrate.add_gram (forge's Hopper kernel in place for D >= KERNEL_MIN_D below
+    SYMMETRIC_ROWS rows, else gram added) accumulates XᵀX onto H within fp32 rounding of
+    float64; the kernel's H stays exactly symmetric."""
+    from forge.calibrate import KERNEL_MIN_D, SYMMETRIC_ROWS, _hopper, add_gram
+
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(t, d, generator=g) * torch.rand(d, generator=g)).bfloat16()
+    base = torch.randn(d, d, generator=g)
+    base = base + base.T
+    h = base.cuda()
+    add_gram(h, x.cuda())
+    add_gram(h, x[: t // 3].cuda())
+    xd = x.double()
+    ref = base.double() + xd.T @ xd + xd[: t // 3].T @ xd[: t // 3]
+    assert float((h.cpu().double() - ref).abs().max() / ref.abs().max()) < max(t, 128) * 2.0**-24
+    if _hopper(torch.cuda.current_device()) and d >= KERNEL_MIN_D and t < SYMMETRIC_ROWS:
+        assert torch.equal(h, h.T)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_hessian_update_and_segments(dtype):
     g = torch.Generator().manual_seed(6)
