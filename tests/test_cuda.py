@@ -244,7 +244,7 @@ def test_add_gram_matches_float64(t, d):
     """calibrate.add_gram (forge's Hopper kernel in place for D >= KERNEL_MIN_D below
     SYMMETRIC_ROWS rows, else gram added) accumulates XᵀX onto H within fp32 rounding of
     float64; the kernel's H stays exactly symmetric."""
-    from forge.calibrate import KERNEL_MIN_D, SYMMETRIC_ROWS, _hopper, add_gram
+    from forge.calibrate import KERNEL_MIN_D, SYMMETRIC_ROWS, add_gram
 
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(t, d, generator=g) * torch.rand(d, generator=g)).bfloat16()
@@ -256,8 +256,30 @@ def test_add_gram_matches_float64(t, d):
     xd = x.double()
     ref = base.double() + xd.T @ xd + xd[: t // 3].T @ xd[: t // 3]
     assert float((h.cpu().double() - ref).abs().max() / ref.abs().max()) < max(t, 128) * 2.0**-24
-    if _hopper(torch.cuda.current_device()) and d >= KERNEL_MIN_D and t < SYMMETRIC_ROWS:
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if hopper and d >= KERNEL_MIN_D and t < SYMMETRIC_ROWS:
         assert torch.equal(h, h.T)
+
+
+def test_hessian_kernel_choice_and_unchecked_inputs():
+    """``_native.hessian_kernel`` names the kernel ``hessian_update`` runs (Hopper: wgmma for
+    16-bit rows with D % 8 == 0 and a 16-byte aligned H; mma.sync for an H only 4-byte aligned
+    or another GPU; the fp32 SIMT kernel for float32 rows). ``check_finite=False`` skips the scan
+    of x: a NaN is then added, and shows on the diagonal, where the run looks for it."""
+    d = 64
+    x = torch.randn(32, d, device="cuda").bfloat16()
+    h = torch.zeros(d, d, device="cuda")
+    hm = torch.zeros(d * d + 1, device="cuda")[1:].view(d, d)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert forge._native.hessian_kernel(h, x) == ("wgmma" if hopper else "mma_sync")
+    assert forge._native.hessian_kernel(hm, x) == "mma_sync"
+    assert forge._native.hessian_kernel(h, x.float()) == "simt"
+    assert forge._native.hessian_kernel(h.cpu(), x.cpu()) == "cpu"
+    x[3, 5] = float("nan")
+    with pytest.raises(forge.errors.InvalidValueError, match="x"):
+        forge.hessian_update(h, x)
+    forge.hessian_update(h, x, check_finite=False)
+    assert bool(torch.isnan(h[5, 5])) and bool(torch.isfinite(h[0, 0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -21,7 +21,6 @@ Data flow (one engine for GPTQ and router statistics):
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import math
@@ -264,29 +263,16 @@ at D=2048 cuBLAS is faster (0.23 against 0.12 at 8192 rows), and from 16384 rows
 upper panels are (D=7168 at 65536 rows: 7.37 against 6.35)."""
 
 
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def add_gram(h: torch.Tensor, x: torch.Tensor) -> None:
     """``h += XᵀX`` in float32 for ``x (T, D)``: forge's Hopper kernel in place (the upper tiles,
-    mirrored: ``h`` stays exactly symmetric) for 16-bit CUDA rows with ``D >= KERNEL_MIN_D`` and
-    fewer than ``SYMMETRIC_ROWS`` rows on a compute capability 9.0 GPU, where it is the faster;
-    else :func:`gram` added. Both sum the same exact products in fp32, in another order."""
+    mirrored: ``h`` stays exactly symmetric) when it is the kernel ``hessian_update`` runs for
+    these tensors and ``D >= KERNEL_MIN_D`` with fewer than ``SYMMETRIC_ROWS`` rows, where it is
+    the faster; else :func:`gram` added. Both sum the same exact products in fp32, in another
+    order. The inputs are not scanned for NaN or Inf: :meth:`_Hessian.full` finds them on the
+    diagonal."""
     t, d = x.shape
-    if (
-        x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and d >= KERNEL_MIN_D
-        and d % 8 == 0
-        and t < SYMMETRIC_ROWS
-        and x.is_contiguous()
-        and x.data_ptr() % 16 == 0
-        and h.data_ptr() % 16 == 0
-        and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    ):
-        hessian_update(h, x, 1.0)
+    if x.is_cuda and d >= KERNEL_MIN_D and t < SYMMETRIC_ROWS and _native.hessian_kernel(h, x) == "wgmma":
+        hessian_update(h, x, 1.0, check_finite=False)
     else:
         h += gram(x)
 

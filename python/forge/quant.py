@@ -368,15 +368,20 @@ def gptq_solve_batched(
     return _native.gptq_solve_batched(weight_t, hinv_chol, qmeta, bits, group_size, block_size, perm)
 
 
-def hessian_update(hessian: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+def hessian_update(
+    hessian: torch.Tensor, x: torch.Tensor, alpha: float = 1.0, check_finite: bool = True
+) -> torch.Tensor:
     """In place ``hessian (D, D) += alpha * x.T @ x`` in float32, for inputs ``x (..., D)``.
 
     The GPTQ Hessian of a linear layer is ``2/T * sum x x^T`` over its T calibration
     tokens: call this per batch with ``alpha = 2 / T_total`` (or normalise at the end).
+    ``check_finite=False`` skips the NaN/Inf pass over a CUDA ``x`` (a read and a host sync)
+    for callers that detect non-finite inputs otherwise (NaN or Inf in ``x`` shows on the
+    Hessian's diagonal); CPU inputs are always checked.
     """
     if isinstance(x, torch.Tensor) and x.dim() > 2:
         x = x.reshape(-1, x.shape[-1])
-    _native.hessian_update(hessian, x, float(alpha))
+    _native.hessian_update(hessian, x, float(alpha), check_finite)
     return hessian
 
 

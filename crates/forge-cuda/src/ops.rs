@@ -1466,6 +1466,28 @@ pub struct HessianUpdate {
     pub kernel: HessianKernel,
 }
 
+/// The kernel [`HessianKernel::Auto`] runs for `x` of `dtype` with `d` columns at address `x`
+/// and `H` at `h` on a device of compute capability `cc`: tensor cores take 16-bit rows that
+/// split into aligned 16-byte chunks (cuda/hessian.cu); the Hopper kernel also adds H's rows by
+/// 16-byte bulk reductions.
+fn hessian_auto_kernel(dtype: DType, d: usize, x: u64, h: u64, cc: (i32, i32)) -> HessianKernel {
+    let tc =
+        matches!(dtype, DType::F16 | DType::Bf16) && d.is_multiple_of(8) && x.is_multiple_of(16);
+    if !tc {
+        HessianKernel::Simt
+    } else if cc == (9, 0) && h.is_multiple_of(16) {
+        HessianKernel::Wgmma
+    } else {
+        HessianKernel::MmaSync
+    }
+}
+
+/// The kernel [`hessian_update`] with [`HessianKernel::Auto`] runs for these inputs on the
+/// stream's device (callers choosing between it and another library's product).
+pub fn hessian_kernel(dtype: DType, d: usize, x: u64, h: u64, s: Stream) -> Result<HessianKernel> {
+    Ok(hessian_auto_kernel(dtype, d, x, h, dev_of(s)?.cc))
+}
+
 /// `H += alpha · XᵀX` (see [`HessianUpdate`]). A kernel the inputs or the device do not
 /// allow is an argument error.
 ///
@@ -1492,17 +1514,10 @@ pub unsafe fn hessian_update(a: &HessianUpdate, s: Stream) -> Result<()> {
         }
     };
     let dev = dev_of(s)?;
-    // Tensor cores take 16-bit rows that split into aligned 16-byte chunks (cuda/hessian.cu).
-    let tc = matches!(a.dtype, DType::F16 | DType::Bf16)
-        && a.d.is_multiple_of(8)
-        && a.x.is_multiple_of(16);
-    // hessian_wg also updates H as float4s.
-    let hopper = dev.cc == (9, 0);
-    let wg_ok = hopper && a.h.is_multiple_of(16);
+    let auto = hessian_auto_kernel(a.dtype, a.d, a.x, a.h, dev.cc);
+    let (tc, wg_ok) = (auto != HessianKernel::Simt, auto == HessianKernel::Wgmma);
     let kernel = match a.kernel {
-        HessianKernel::Auto if tc && wg_ok => HessianKernel::Wgmma,
-        HessianKernel::Auto if tc => HessianKernel::MmaSync,
-        HessianKernel::Auto => HessianKernel::Simt,
+        HessianKernel::Auto => auto,
         HessianKernel::MmaSync | HessianKernel::Wgmma if !tc => {
             return Err(CudaError::arg(
                 "kernel",
@@ -2172,7 +2187,8 @@ mod tests {
                 "{p:?}"
             );
         }
-        // The chip-filling shapes do not split; a 16-block grid does.
+        // A 16-block grid splits 8 ways, a 56-block one twice, 144 blocks (just over one wave)
+        // 3-4 ways; a grid of many waves not at all.
         let splits = |m, n, k| gemm_plan(132 * 4, m, n, k, true, Some(132)).splits;
         assert!((3..=4).contains(&splits(128, 18432, 7168)));
         assert_eq!(splits(128, 2048, 7168), 8);

@@ -269,6 +269,18 @@ pub fn hessian_update(h: &Tensor<'_>, x: &Tensor<'_>, alpha: f32) -> PyResult<()
     unsafe { cu::hessian_update(&a, s) }.map_err(|e| cuda_err(py, e))
 }
 
+/// The kernel [`hessian_update`] runs for `h` and `x`.
+pub fn hessian_kernel(h: &Tensor<'_>, x: &Tensor<'_>) -> PyResult<&'static str> {
+    let s = stream_of(h)?;
+    let k = cu::hessian_kernel(cu_dtype(x), x.shape[1], x.ptr as u64, h.ptr as u64, s)
+        .map_err(|e| cuda_err(h.obj.py(), e))?;
+    Ok(match k {
+        cu::HessianKernel::Wgmma => "wgmma",
+        cu::HessianKernel::MmaSync => "mma_sync",
+        _ => "simt",
+    })
+}
+
 /// Segmented per-expert Hessians on CUDA.
 pub fn hessian_update_segmented(
     h: &Tensor<'_>,

@@ -27,6 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::dequantize_gptq, m)?)?;
     m.add_function(wrap_pyfunction!(ops::gptq_solve_batched, m)?)?;
     m.add_function(wrap_pyfunction!(ops::hessian_update, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::hessian_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(ops::hessian_update_segmented, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_launch, m)?)?;

@@ -879,13 +879,16 @@ pub fn gptq_solve_batched<'py>(
 }
 
 /// `hessian (D, D) += alpha · xᵀ x` in float32, for `x (T, D)` (f32/f16/bf16). CUDA tensors
-/// run the CUDA kernel; CPU tensors a faer GEMM.
+/// run the CUDA kernel; CPU tensors a faer GEMM. `check_finite=false` skips the NaN/Inf pass
+/// over a CUDA `x` (a read and a host sync) for callers that detect them otherwise.
 #[pyfunction]
+#[pyo3(signature = (hessian, x, alpha, check_finite=true))]
 pub fn hessian_update<'py>(
     py: Python<'py>,
     hessian: &Bound<'py, PyAny>,
     x: &Bound<'py, PyAny>,
     alpha: f32,
+    check_finite: bool,
 ) -> PyResult<()> {
     let h = Tensor::extract("hessian", hessian)?;
     let xt = Tensor::extract("x", x)?;
@@ -913,7 +916,9 @@ pub fn hessian_update<'py>(
         return Ok(());
     }
     if h.is_cuda() {
-        xt.require_finite_cuda()?;
+        if check_finite {
+            xt.require_finite_cuda()?;
+        }
         return cuda_ops::hessian_update(&h, &xt, alpha);
     }
     h.require_cpu()?;
@@ -930,6 +935,24 @@ pub fn hessian_update<'py>(
         forge_core::matmul::syrk_update(hv, &xv, t, d, alpha)
     })?
     .map_err(|e| core_err(py, e))
+}
+
+/// The kernel `hessian_update(hessian, x)` runs: `"wgmma"`, `"mma_sync"` or `"simt"` on CUDA
+/// (`forge_cuda::ops::hessian_kernel`), `"cpu"` otherwise; for callers choosing between it and
+/// another library's product.
+#[pyfunction]
+pub fn hessian_kernel<'py>(
+    hessian: &Bound<'py, PyAny>,
+    x: &Bound<'py, PyAny>,
+) -> PyResult<&'static str> {
+    let h = Tensor::extract("hessian", hessian)?;
+    let xt = Tensor::extract("x", x)?;
+    xt.require_same_device(&h)?;
+    xt.require_ndim(2, "(T, D)")?;
+    if !h.is_cuda() {
+        return Ok("cpu");
+    }
+    cuda_ops::hessian_kernel(&h, &xt)
 }
 
 /// Per-expert Hessians of routed experts: for expert `e`, the rows
