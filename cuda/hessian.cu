@@ -51,12 +51,21 @@ __device__ __forceinline__ void ht_tile(int b, int nb, int& bi, int& bj) {
 }
 
 // The TILE × TILE tile and the rows of this block (blockIdx.x: the tile, blockIdx.y: the
-// expert); false when// the expert has no rows.
+// expert); false when the expert has no rows.
 struct HtBlock {
     int i0, j0, r0, r1;
     bool diag;
     float* He;
 };
+// The rows [r0, r1) of this block's expert (blockIdx.y; all T rows when off is null) and its
+// Hessian He; false when the expert has no rows. Shared with hessian_wg.
+__device__ __forceinline__ bool ht_segment(float* H, const int* off, int T, int D, int& r0, int& r1, float*& He) {
+    r0 = 0;
+    r1 = T;
+    if (off) { r0 = off[blockIdx.y]; r1 = off[blockIdx.y + 1]; }
+    He = H + (i64)blockIdx.y * D * D;
+    return r1 > r0;
+}
 template <int TILE>
 __device__ __forceinline__ bool ht_block(float* H, const int* off, int T, int D, HtBlock& b) {
     int bi, bj;
@@ -64,11 +73,7 @@ __device__ __forceinline__ bool ht_block(float* H, const int* off, int T, int D,
     b.diag = bi == bj;
     b.i0 = bi * TILE;
     b.j0 = bj * TILE;
-    b.r0 = 0;
-    b.r1 = T;
-    if (off) { b.r0 = off[blockIdx.y]; b.r1 = off[blockIdx.y + 1]; }
-    b.He = H + (i64)blockIdx.y * D * D;
-    return b.r1 > b.r0;
+    return ht_segment(H, off, T, D, b.r0, b.r1, b.He);
 }
 
 #define HS_T 64
@@ -363,10 +368,9 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
     int bi, bj;
     hw_tile(blockIdx.x, (D + HW_TI - 1) / HW_TI, (D + HW_TJ - 1) / HW_TJ, bi, bj);
     const int i0 = bi * HW_TI, j0 = bj * HW_TJ;
-    int r0 = 0, r1 = T;
-    if (off) { r0 = off[blockIdx.y]; r1 = off[blockIdx.y + 1]; }
-    if (r1 <= r0) return;
-    float* He = H + (i64)blockIdx.y * D * D;
+    int r0, r1;
+    float* He;
+    if (!ht_segment(H, off, T, D, r0, r1, He)) return;
     // The i-block inside the j-block: A is B's halves (i0 - j0) / 64 and the next.
     const bool a_in_b = i0 >= j0 && i0 < j0 + HW_TJ;
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;

@@ -867,7 +867,7 @@ fn hessian_wgmma_needs_aligned_h() {
     let (t, d) = (200usize, 264usize);
     let mut r = Lcg(77);
     let xf: Vec<f32> = (0..t * d).map(|_| r.n()).collect();
-    let (bytes, _) = float_rows(DType::Bf16, &xf);
+    let (bytes, xr) = float_rows(DType::Bf16, &xf);
     let dx = DeviceBuf::from_slice(0, &bytes).unwrap();
     let dh = DeviceBuf::zeroed(0, (d * d + 1) * 4).unwrap();
     let mut a = ops::HessianUpdate {
@@ -898,6 +898,22 @@ fn hessian_wgmma_needs_aligned_h() {
         ops::HessianKernel::Wgmma,
     );
     assert_eq!(got[0], 0.0, "the float before H is untouched");
+    // Against float64 (products of bf16 values are exact; fp32 sums of t terms).
+    for i in 0..d {
+        for j in 0..d {
+            let (mut s, mut mag) = (0f64, 0f64);
+            for tt in 0..t {
+                let p = xr[tt * d + i] as f64 * xr[tt * d + j] as f64;
+                s += p;
+                mag += p.abs();
+            }
+            let g = got[1 + i * d + j] as f64;
+            assert!(
+                (g - s).abs() <= 1e-6 * mag * (t as f64).sqrt(),
+                "H[{i},{j}] {g} vs {s}"
+            );
+        }
+    }
     for (i, (&g, &w)) in got[1..].iter().zip(&want).enumerate() {
         // Both sum the same exact products of unit-scale inputs, in another order.
         assert!((g - w).abs() <= 4e-6 * t as f32, "H[{i}]: {g} vs {w}");
