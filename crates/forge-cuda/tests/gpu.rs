@@ -726,6 +726,24 @@ fn float_rows(dt: DType, xf: &[f32]) -> (Vec<u8>, Vec<f32>) {
     (bits.iter().flat_map(|b| b.to_le_bytes()).collect(), vals)
 }
 
+/// Element `(i, j)` of `XᵀX` in float64 over `rows` of `x` (row-major, `d` columns), and the
+/// sum of the products' magnitudes (the scale of fp32 rounding).
+fn xtx_f64(
+    x: &[f32],
+    d: usize,
+    rows: impl Iterator<Item = usize>,
+    i: usize,
+    j: usize,
+) -> (f64, f64) {
+    let (mut s, mut mag) = (0f64, 0f64);
+    for r in rows {
+        let p = x[r * d + i] as f64 * x[r * d + j] as f64;
+        s += p;
+        mag += p.abs();
+    }
+    (s, mag)
+}
+
 /// One Hessian update of `rows` of `x` into `h` with `kernel`; returns the downloaded H.
 fn hessian_run(
     x: &DeviceBuf,
@@ -775,12 +793,7 @@ fn hessian_matches_f64() {
                 let h = hessian_run(&dx, dt, d, ops::HessianRows::All { t }, &dh, 0.5, kernel);
                 for i in 0..d {
                     for j in 0..d {
-                        let (mut s, mut mag) = (0f64, 0f64);
-                        for tt in 0..t {
-                            let p = xr[tt * d + i] as f64 * xr[tt * d + j] as f64;
-                            s += p;
-                            mag += p.abs();
-                        }
+                        let (s, mag) = xtx_f64(&xr, d, 0..t, i, j);
                         let want = h0[i * d + j] as f64 + 0.5 * s;
                         let tol = 1e-6 * (mag + h0[i * d + j] as f64) * (t as f64).sqrt().max(4.0);
                         assert!(
@@ -829,12 +842,7 @@ fn hessian_matches_f64() {
             for (e, l) in lists.iter().enumerate() {
                 for i in 0..d {
                     for j in 0..d {
-                        let (mut s, mut mag) = (0f64, 0f64);
-                        for &tt in l {
-                            let p = x[tt as usize * d + i] as f64 * x[tt as usize * d + j] as f64;
-                            s += p;
-                            mag += p.abs();
-                        }
+                        let (s, mag) = xtx_f64(&x, d, l.iter().map(|&r| r as usize), i, j);
                         let got = h[e * d * d + i * d + j] as f64;
                         assert!(
                             (got - s).abs() <= 1e-5 * mag + 1e-6,
@@ -901,12 +909,7 @@ fn hessian_wgmma_needs_aligned_h() {
     // Against float64 (products of bf16 values are exact; fp32 sums of t terms).
     for i in 0..d {
         for j in 0..d {
-            let (mut s, mut mag) = (0f64, 0f64);
-            for tt in 0..t {
-                let p = xr[tt * d + i] as f64 * xr[tt * d + j] as f64;
-                s += p;
-                mag += p.abs();
-            }
+            let (s, mag) = xtx_f64(&xr, d, 0..t, i, j);
             let g = got[1 + i * d + j] as f64;
             assert!(
                 (g - s).abs() <= 1e-6 * mag * (t as f64).sqrt(),
