@@ -1,5 +1,7 @@
 // grid.cu — qmeta4 group metadata: range grid and MSE / L^p shrink search
-// (spec gptq-core-qmeta4 §6.2, §6.3; docs/numerics.md). One warp per group.
+// (spec gptq-core-qmeta4 §6.2, §6.3; docs/numerics.md). Range grid: one thread per group
+// (qmeta_range_tpg_*) when groups are whole 16-byte units, else a lane per 8 elements
+// (qmeta_range_*); MSE search: one warp per group.
 // x: [rows, cols] row-major, groups of G consecutive elements of a row, the last group of a
 // row padded with zeros. qmeta: [rows, ceil(cols/G)] u32.
 
@@ -20,6 +22,28 @@ __device__ __forceinline__ int range_lanes(int G) {
     int w = 1;
     while (w < (G + 7) / 8 && w < 32) w <<= 1;
     return w;
+}
+
+// The qmeta4 word of a group whose elements span [mn, mx]. The grid always contains 0
+// (xmin = min(min x, 0), xmax = max(max x, 0)), as forge_core::grid::range_meta; min/max are
+// exact, so the order they were taken in does not matter.
+__device__ __forceinline__ u32 range_qmeta(float mn, float mx, int bits, int symmetric) {
+    mn = fminf(mn, 0.0f);
+    mx = fmaxf(mx, 0.0f);
+    float maxq = (float)((1u << bits) - 1u);
+    if (symmetric) {
+        float amax = fmaxf(fabsf(mn), fabsf(mx));
+        float s = (2.0f * amax) / maxq;
+        s = s + FORGE_EPS;
+        s = fmaxf(s, forge_scale_min());
+        return make_qmeta(encode_log2_q88(s), 1u << (bits - 1), 1u);
+    }
+    float s = (mx - mn) / maxq;
+    s = s + FORGE_EPS;
+    s = fmaxf(s, forge_scale_min());
+    float z = rintf(-mn / s);
+    z = fminf(fmaxf(z, 0.0f), maxq);
+    return make_qmeta(encode_log2_q88(s), (u32)z, 0u);
 }
 
 template <int DT>
@@ -67,29 +91,136 @@ __device__ __forceinline__ void qmeta_range_impl(const void* x, u32* qmeta, int 
         mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     }
-    if (active && sub == 0) {
-        // The grid always contains 0 (xmin = min(min x, 0), xmax = max(max x, 0)), as
-        // forge_core::grid::range_meta; min/max are exact, so the order does not matter.
-        mn = fminf(mn, 0.0f);
-        mx = fmaxf(mx, 0.0f);
-        float maxq = (float)((1u << bits) - 1u);
-        u32 m;
-        if (symmetric) {
-            float amax = fmaxf(fabsf(mn), fabsf(mx));
-            float s = (2.0f * amax) / maxq;
-            s = s + FORGE_EPS;
-            s = fmaxf(s, forge_scale_min());
-            m = make_qmeta(encode_log2_q88(s), 1u << (bits - 1), 1u);
-        } else {
-            float s = (mx - mn) / maxq;
-            s = s + FORGE_EPS;
-            s = fmaxf(s, forge_scale_min());
-            float z = rintf(-mn / s);
-            z = fminf(fmaxf(z, 0.0f), maxq);
-            m = make_qmeta(encode_log2_q88(s), (u32)z, 0u);
-        }
-        qmeta[gid] = m;
+    if (active && sub == 0) qmeta[gid] = range_qmeta(mn, mx, bits, symmetric);
+}
+
+// ---- Range grid, one thread per group (ops.rs launches it when every group is whole 16-byte
+// units: x 16-byte aligned, G and cols multiples of 16 bytes' worth of elements) -------------
+// Thread t takes group t: it loads up to 8 units (128 bytes) at once, as many loads in flight
+// as a 16-lane group had elements, and the encode runs on every lane instead of one in 16.
+// The running min / max stay in the element's own type, two at a time (min/max.f16x2 and
+// .bf16x2; E4M3 converts to f16x2 exactly, two bytes an instruction), per 128-column block
+// when there are block scales: min over a block of x·s is min(vmin·s, vmax·s) of the block's
+// raw vmin, vmax (multiplying by s is monotonic, rounding too), so each block costs two
+// multiplies instead of one per element. NaN elements are skipped as fminf / fmaxf skip them.
+template <int DT> struct RangeUnit;  // min/max of 16-byte units, packed
+template <> struct RangeUnit<FORGE_DT_F32> {
+    enum { EPU = 4 };
+    float lo, hi;
+    __device__ __forceinline__ void reset() { lo = f_inf(); hi = -f_inf(); }
+    __device__ __forceinline__ void add(uint4 u) {
+        const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) { lo = fminf(lo, __uint_as_float(w[j])); hi = fmaxf(hi, __uint_as_float(w[j])); }
     }
+    __device__ __forceinline__ void get(float& vmin, float& vmax) const { vmin = lo; vmax = hi; }
+};
+template <bool BF> struct RangeUnit16 {  // f16x2 or bf16x2 accumulators
+    u32 lo, hi;
+    __device__ __forceinline__ void reset() {
+        lo = BF ? 0x7F807F80u : 0x7C007C00u;
+        hi = BF ? 0xFF80FF80u : 0xFC00FC00u;
+    }
+    __device__ __forceinline__ void add2(u32 v) {
+        if (BF) {
+            asm("min.bf16x2 %0, %0, %1;" : "+r"(lo) : "r"(v));
+            asm("max.bf16x2 %0, %0, %1;" : "+r"(hi) : "r"(v));
+        } else {
+            asm("min.f16x2 %0, %0, %1;" : "+r"(lo) : "r"(v));
+            asm("max.f16x2 %0, %0, %1;" : "+r"(hi) : "r"(v));
+        }
+    }
+    __device__ __forceinline__ void get(float& vmin, float& vmax) const {
+        if (BF) {
+            vmin = fminf(bf16_to_f32((u16)(lo & 0xFFFF)), bf16_to_f32((u16)(lo >> 16)));
+            vmax = fmaxf(bf16_to_f32((u16)(hi & 0xFFFF)), bf16_to_f32((u16)(hi >> 16)));
+        } else {
+            vmin = fminf(f16_to_f32((u16)(lo & 0xFFFF)), f16_to_f32((u16)(lo >> 16)));
+            vmax = fmaxf(f16_to_f32((u16)(hi & 0xFFFF)), f16_to_f32((u16)(hi >> 16)));
+        }
+    }
+};
+template <> struct RangeUnit<FORGE_DT_F16> : RangeUnit16<false> {
+    enum { EPU = 8 };
+    __device__ __forceinline__ void add(uint4 u) { add2(u.x); add2(u.y); add2(u.z); add2(u.w); }
+};
+template <> struct RangeUnit<FORGE_DT_BF16> : RangeUnit16<true> {
+    enum { EPU = 8 };
+    __device__ __forceinline__ void add(uint4 u) { add2(u.x); add2(u.y); add2(u.z); add2(u.w); }
+};
+template <> struct RangeUnit<FORGE_DT_F8E4M3> : RangeUnit16<false> {
+    enum { EPU = 16 };
+    __device__ __forceinline__ void add(uint4 u) {
+#if __CUDA_ARCH__ >= 890
+        const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u32 a, b;
+            asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+                : "=r"(a), "=r"(b)
+                : "r"(w[j]));
+            add2(a);
+            add2(b);
+        }
+#else
+        (void)u;
+        __trap();  // ops.rs (range_per_group) launches this kernel for E4M3 from sm_89 only
+#endif
+    }
+};
+
+template <int DT>
+__device__ __forceinline__ void qmeta_range_tpg_impl(const void* x, u32* qmeta, int rows, int cols, int G,
+                                                     int bits, int symmetric, const float* bs, int bcols) {
+    typedef RangeUnit<DT> U;
+    constexpr int EPU = U::EPU;
+    const i64 gid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const int ng = (cols + G - 1) / G;
+    if (gid >= (i64)rows * ng) return;
+    const i64 r = gid / ng;
+    const int c0 = (int)(gid % ng) * G;
+    const int units = min(G, cols - c0) / EPU;
+    const uint4* p = (const uint4*)((const u8*)x + ((i64)r * cols + c0) * ElemBytes<DT>::v);
+    float mn = f_inf(), mx = -f_inf();
+    U acc;
+    acc.reset();
+    int blk = -1;  // the 128-column block acc covers (block scales only)
+    auto fold = [&]() {
+        float vmin, vmax;
+        acc.get(vmin, vmax);
+        if (bs != nullptr) {
+            if (blk < 0 || !(vmin <= vmax)) return;  // no element, or only NaNs
+            const float sc = bs[(r / FORGE_FP8_BLOCK) * bcols + blk];
+            const float a = vmin * sc, b = vmax * sc;
+            mn = fminf(mn, fminf(a, b));
+            mx = fmaxf(mx, fmaxf(a, b));
+        } else {
+            mn = fminf(mn, vmin);
+            mx = fmaxf(mx, vmax);
+        }
+    };
+    for (int u0 = 0; u0 < units; u0 += 8) {
+        uint4 raw[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (u0 + j < units) raw[j] = __ldg(p + u0 + j);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (u0 + j < units) {
+                if (bs != nullptr) {
+                    const int b = (c0 + (u0 + j) * EPU) / FORGE_FP8_BLOCK;  // a unit never straddles two
+                    if (b != blk) {
+                        fold();
+                        blk = b;
+                        acc.reset();
+                    }
+                }
+                acc.add(raw[j]);
+            }
+        }
+    }
+    fold();
+    qmeta[gid] = range_qmeta(mn, mx, bits, symmetric);
 }
 
 // The MSE / L^p search of one group staged in `buf` (G elements, G % 32 == 0), candidates in
@@ -178,6 +309,11 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
     extern "C" __global__ void qmeta_range_##SUF(const void* x, u32* qmeta, int rows, int cols, int G,  \
                                                   int bits, int symmetric, const float* bs, int bcols) { \
         qmeta_range_impl<DT>(x, qmeta, rows, cols, G, bits, symmetric, bs, bcols);                      \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 4)                                               \
+        qmeta_range_tpg_##SUF(const void* x, u32* qmeta, int rows, int cols, int G, int bits, int symmetric, \
+                              const float* bs, int bcols) {                                            \
+        qmeta_range_tpg_impl<DT>(x, qmeta, rows, cols, G, bits, symmetric, bs, bcols);                  \
     }                                                                                                  \
     extern "C" __global__ void qmeta_mse_##SUF(const void* x, u32* qmeta, int rows, int cols, int G,    \
                                                 int bits, int n_grid, float norm, float max_shrink,     \

@@ -82,12 +82,19 @@ def test_quantize_pack_bit_exact(dtype, k, n, group):
 
 
 @pytest.mark.parametrize("k,n,group", [(640, 296, 128), (480, 264, 96), (2048, 512, 32)])
-def test_block_scaled_fp8_bit_exact(k, n, group):
+@pytest.mark.parametrize("signs", ["positive", "mixed"])
+def test_block_scaled_fp8_bit_exact(k, n, group, signs):
     """FP8 bytes and DeepSeek block scales read by the grid and pack kernels as stored: the
-    same qmeta and packed tensors as the CPU (which dequantizes first)."""
+    same qmeta and packed tensors as the CPU (which dequantizes first). "mixed": negative
+    block scales and a zero one too (the range grid takes a block's min and max of the raw
+    values and scales those, which must pick the other end under a negative scale)."""
     g = torch.Generator().manual_seed(5)
     w8 = adversarial(n, k, torch.float8_e4m3fn, seed=4)
     s = 10 ** (torch.rand(-(-n // 128), -(-k // 128), generator=g) * 4 - 3)
+    if signs == "mixed":
+        s[::2, 1::2] *= -1
+        s[1::2, ::2] *= -1
+        s[-1, -1] = 0.0
     for mode in ("range", "mse"):
         cpu = forge.build_quant_grid(w8, group, 4, False, mode, scale_inv=s)[0]
         gpu = forge.build_quant_grid(w8.cuda(), group, 4, False, mode, scale_inv=s.cuda())[0]

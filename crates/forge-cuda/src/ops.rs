@@ -197,6 +197,17 @@ impl QmetaGrid {
     }
 }
 
+/// Whether the range grid runs one thread per group (`qmeta_range_tpg_<dt>`): every group is
+/// whole 16-byte units (x 16-byte aligned, the group size and the columns multiples of 16
+/// bytes' worth of elements), and for E4M3 the hardware's pairwise conversion (sm_89+).
+fn range_per_group(a: &QmetaGrid, cc: (i32, i32)) -> bool {
+    let per_unit = 16 / a.dtype.size();
+    a.x.is_multiple_of(16)
+        && a.cols.is_multiple_of(per_unit)
+        && a.spec.group_size.is_multiple_of(per_unit)
+        && (a.dtype != DType::F8E4M3 || cc >= (8, 9))
+}
+
 /// Range grid (spec §6.2) of `a.x` into `a.qmeta` (see [`QmetaGrid`]). Bit-identical to
 /// `forge_core::grid::build_range`. Every argument is checked by [`QmetaGrid::validate`]
 /// before the driver is touched.
@@ -206,10 +217,16 @@ impl QmetaGrid {
 pub unsafe fn qmeta_range(a: &QmetaGrid, s: Stream) -> Result<()> {
     a.validate()?;
     let dev = dev_of(s)?;
-    let f = dev.function(kname("qmeta_range", a.dtype)?)?;
-    // grid.cu's range_lanes: one lane per 8 elements of a group, a power of two, at most 32.
-    let lanes = a.spec.group_size.div_ceil(8).next_power_of_two().min(32);
-    let grid = blocks(a.groups()? * lanes, 256)?;
+    let (f, grid) = if range_per_group(a, dev.cc) {
+        // qmeta_range_tpg: one thread per group.
+        let f = dev.function(kname("qmeta_range_tpg", a.dtype)?)?;
+        (f, blocks(a.groups()?, 256)?)
+    } else {
+        // grid.cu's range_lanes: one lane per 8 elements of a group, a power of two, at most 32.
+        let lanes = a.spec.group_size.div_ceil(8).next_power_of_two().min(32);
+        let f = dev.function(kname("qmeta_range", a.dtype)?)?;
+        (f, blocks(a.groups()? * lanes, 256)?)
+    };
     let (mut px, mut pq) = (a.x, a.qmeta);
     let (mut r, mut c, mut g) = (
         to_i32("rows", a.rows)?,
