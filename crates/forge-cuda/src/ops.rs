@@ -1736,6 +1736,41 @@ mod tests {
     use super::*;
 
     #[test]
+    fn range_grid_thread_per_group_needs_whole_units() {
+        let grid = |dtype: DType, x: u64, cols: usize, group_size: usize| QmetaGrid {
+            x,
+            dtype,
+            rows: 4,
+            cols,
+            spec: GridSpec {
+                bits: 4,
+                group_size,
+                symmetric: false,
+            },
+            qmeta: 0,
+            block_scale: 0,
+        };
+        // Whole 16-byte units: 4 f32, 8 f16 / bf16, 16 E4M3 elements.
+        for (dt, per) in [
+            (DType::F32, 4usize),
+            (DType::F16, 8),
+            (DType::Bf16, 8),
+            (DType::F8E4M3, 16),
+        ] {
+            assert!(range_per_group(&grid(dt, 4096, 704, 128), (9, 0)), "{dt:?}");
+            assert!(range_per_group(&grid(dt, 4096, 32 * per, 2 * per), (9, 0)), "{dt:?}");
+            // a misaligned x, columns or groups not whole units: the lane-per-8 kernel
+            assert!(!range_per_group(&grid(dt, 4096 + 8, 704, 128), (9, 0)), "{dt:?}");
+            assert!(!range_per_group(&grid(dt, 4096, 704 + per / 2, 128), (9, 0)), "{dt:?}");
+            assert!(!range_per_group(&grid(dt, 4096, 704, 8 * per + per / 2), (9, 0)), "{dt:?}");
+        }
+        // E4M3 needs the pairwise hardware conversion (sm_89+); the other types do not.
+        assert!(!range_per_group(&grid(DType::F8E4M3, 4096, 704, 128), (8, 0)));
+        assert!(range_per_group(&grid(DType::F8E4M3, 4096, 704, 128), (8, 9)));
+        assert!(range_per_group(&grid(DType::Bf16, 4096, 704, 128), (8, 0)));
+    }
+
+    #[test]
     fn grouped_plan_shapes() {
         for (rows, segs, n, k) in [
             (1usize, 6usize, 2816usize, 2048usize),
