@@ -79,18 +79,26 @@ template <int DT> struct ElemBytes {
     enum { v = DT == FORGE_DT_F32 ? 4 : (DT == FORGE_DT_F8E4M3 ? 1 : 2) };
 };
 
+#if __CUDA_ARCH__ >= 890
+// 4 E4M3 bytes (little-endian in w) as two f16x2 (bytes 0, 1 in lo; 2, 3 in hi), by the
+// hardware conversion, two bytes at a time: E4M3 -> f16 is exact (f16 holds every E4M3 value,
+// subnormals included).
+__device__ __forceinline__ void e4m3x4_to_f16x2(u32 w, u32& lo, u32& hi) {
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+}
+#endif
+
 // 8 E4M3 bytes (little-endian in a, b) as f32.
 __device__ __forceinline__ void e4m3x8_to_f32(u32 a, u32 b, float v[8]) {
 #if __CUDA_ARCH__ >= 890
-    // The hardware conversion, two bytes at a time: E4M3 -> f16 is exact (f16 holds every
-    // E4M3 value, subnormals included), f16 -> f32 too.
+    // The hardware conversion to f16x2 (exact), then f16 -> f32 (exact too).
     const u32 w[2] = {a, b};
 #pragma unroll
     for (int j = 0; j < 2; j++) {
         u32 lo, hi;
-        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
-            : "=r"(lo), "=r"(hi)
-            : "r"(w[j]));
+        e4m3x4_to_f16x2(w[j], lo, hi);
         v[4 * j] = f16_to_f32((u16)(lo & 0xFFFFu));
         v[4 * j + 1] = f16_to_f32((u16)(lo >> 16));
         v[4 * j + 2] = f16_to_f32((u16)(hi & 0xFFFFu));

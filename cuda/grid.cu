@@ -156,9 +156,7 @@ template <> struct RangeUnit<FORGE_DT_F8E4M3> : RangeUnit16<false> {
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             u32 a, b;
-            asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
-                : "=r"(a), "=r"(b)
-                : "r"(w[j]));
+            e4m3x4_to_f16x2(w[j], a, b);
             add2(a);
             add2(b);
         }

@@ -1737,19 +1737,26 @@ mod tests {
 
     #[test]
     fn range_grid_thread_per_group_needs_whole_units() {
-        let grid = |dtype: DType, x: u64, cols: usize, group_size: usize| QmetaGrid {
-            x,
-            dtype,
-            rows: 4,
-            cols,
-            spec: GridSpec {
+        // Whether a (dtype, x address, cols, group size) grid runs one thread per group.
+        let per_group = |dtype: DType, x: u64, cols: usize, group_size: usize, cc: (i32, i32)| {
+            let spec = GridSpec {
                 bits: 4,
                 group_size,
                 symmetric: false,
-            },
-            qmeta: 0,
-            block_scale: 0,
+            };
+            let (rows, qmeta, block_scale) = (4, 0, 0);
+            let g = QmetaGrid {
+                x,
+                dtype,
+                rows,
+                cols,
+                spec,
+                qmeta,
+                block_scale,
+            };
+            range_per_group(&g, cc)
         };
+        let hopper = (9, 0);
         // Whole 16-byte units: 4 f32, 8 f16 / bf16, 16 E4M3 elements.
         for (dt, per) in [
             (DType::F32, 4usize),
@@ -1757,17 +1764,20 @@ mod tests {
             (DType::Bf16, 8),
             (DType::F8E4M3, 16),
         ] {
-            assert!(range_per_group(&grid(dt, 4096, 704, 128), (9, 0)), "{dt:?}");
-            assert!(range_per_group(&grid(dt, 4096, 32 * per, 2 * per), (9, 0)), "{dt:?}");
+            assert!(per_group(dt, 4096, 704, 128, hopper), "{dt:?}");
+            assert!(per_group(dt, 4096, 32 * per, 2 * per, hopper), "{dt:?}");
             // a misaligned x, columns or groups not whole units: the lane-per-8 kernel
-            assert!(!range_per_group(&grid(dt, 4096 + 8, 704, 128), (9, 0)), "{dt:?}");
-            assert!(!range_per_group(&grid(dt, 4096, 704 + per / 2, 128), (9, 0)), "{dt:?}");
-            assert!(!range_per_group(&grid(dt, 4096, 704, 8 * per + per / 2), (9, 0)), "{dt:?}");
+            assert!(!per_group(dt, 4096 + 8, 704, 128, hopper), "{dt:?}");
+            assert!(!per_group(dt, 4096, 704 + per / 2, 128, hopper), "{dt:?}");
+            assert!(
+                !per_group(dt, 4096, 704, 8 * per + per / 2, hopper),
+                "{dt:?}"
+            );
         }
         // E4M3 needs the pairwise hardware conversion (sm_89+); the other types do not.
-        assert!(!range_per_group(&grid(DType::F8E4M3, 4096, 704, 128), (8, 0)));
-        assert!(range_per_group(&grid(DType::F8E4M3, 4096, 704, 128), (8, 9)));
-        assert!(range_per_group(&grid(DType::Bf16, 4096, 704, 128), (8, 0)));
+        assert!(!per_group(DType::F8E4M3, 4096, 704, 128, (8, 0)));
+        assert!(per_group(DType::F8E4M3, 4096, 704, 128, (8, 9)));
+        assert!(per_group(DType::Bf16, 4096, 704, 128, (8, 0)));
     }
 
     #[test]
