@@ -165,11 +165,13 @@ __device__ __forceinline__ int encode_log2_q88(float s) {
     }
     int e = (int)((bits >> 23) & 0xFF) - 127 + eadj;
     float m = __uint_as_float((bits & 0x007FFFFFu) | 0x3F800000u);
-    int lo = 0, hi = 256;  // partition point of THRESH <= m
-    while (lo < hi) {
-        int mid = (lo + hi) >> 1;
-        if (__uint_as_float(FORGE_THRESH_BITS[mid]) <= m) lo = mid + 1; else hi = mid;
-    }
+    // The partition point of THRESH <= m (THRESH[k] = f32(2^((k + 0.5)/256)), m in [1, 2)) is
+    // round(256·log2 m): the hardware log2 puts a first guess within one of it, and the table
+    // then settles it exactly (two independent reads where a binary search made eight
+    // dependent ones; the loops make the result exact whatever the guess).
+    int lo = min(256, max(0, (int)(256.0f * __log2f(m) + 0.5f)));
+    while (lo > 0 && __uint_as_float(FORGE_THRESH_BITS[lo - 1]) > m) lo--;
+    while (lo < 256 && __uint_as_float(FORGE_THRESH_BITS[lo]) <= m) lo++;
     int q = 256 * e + lo;
     return q < -32768 ? -32768 : (q > 32767 ? 32767 : q);
 }
