@@ -115,7 +115,8 @@ template <> struct RangeUnit<FORGE_DT_F32> {
     }
     __device__ __forceinline__ void get(float& vmin, float& vmax) const { vmin = lo; vmax = hi; }
 };
-template <bool BF> struct RangeUnit16 {  // f16x2 or bf16x2 accumulators
+template <bool BF> struct RangeUnit16 {  // f16x2 or bf16x2 accumulators; a unit is 8 elements
+    enum { EPU = 8 };
     u32 lo, hi;
     __device__ __forceinline__ void reset() {
         lo = BF ? 0x7F807F80u : 0x7C007C00u;
@@ -130,6 +131,7 @@ template <bool BF> struct RangeUnit16 {  // f16x2 or bf16x2 accumulators
             asm("max.f16x2 %0, %0, %1;" : "+r"(hi) : "r"(v));
         }
     }
+    __device__ __forceinline__ void add(uint4 u) { add2(u.x); add2(u.y); add2(u.z); add2(u.w); }
     __device__ __forceinline__ void get(float& vmin, float& vmax) const {
         if (BF) {
             vmin = fminf(bf16_to_f32((u16)(lo & 0xFFFF)), bf16_to_f32((u16)(lo >> 16)));
@@ -140,15 +142,9 @@ template <bool BF> struct RangeUnit16 {  // f16x2 or bf16x2 accumulators
         }
     }
 };
-template <> struct RangeUnit<FORGE_DT_F16> : RangeUnit16<false> {
-    enum { EPU = 8 };
-    __device__ __forceinline__ void add(uint4 u) { add2(u.x); add2(u.y); add2(u.z); add2(u.w); }
-};
-template <> struct RangeUnit<FORGE_DT_BF16> : RangeUnit16<true> {
-    enum { EPU = 8 };
-    __device__ __forceinline__ void add(uint4 u) { add2(u.x); add2(u.y); add2(u.z); add2(u.w); }
-};
-template <> struct RangeUnit<FORGE_DT_F8E4M3> : RangeUnit16<false> {
+template <> struct RangeUnit<FORGE_DT_F16> : RangeUnit16<false> {};
+template <> struct RangeUnit<FORGE_DT_BF16> : RangeUnit16<true> {};
+template <> struct RangeUnit<FORGE_DT_F8E4M3> : RangeUnit16<false> {  // 16 bytes, 16 elements
     enum { EPU = 16 };
     __device__ __forceinline__ void add(uint4 u) {
 #if __CUDA_ARCH__ >= 890
