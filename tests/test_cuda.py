@@ -47,6 +47,25 @@ def test_grid_bit_exact(dtype, bits, group, sym, mode, cols):
     assert torch.equal(gpu[0].cpu(), cpu[0])
 
 
+def test_grid_scales_at_every_encode_threshold():
+    """Scales a few ulps either side of each of the 256 thresholds of the qmeta4 encode
+    (``THRESH[k] = f32(2^((k + 0.5) / 256))``, where the stored log2 code steps from k to
+    k + 1): the GPU's encode (a hardware-log2 guess settled by the table) gives the CPU's codes,
+    and the scan does cross every threshold."""
+    t = (2.0 ** ((torch.arange(256, dtype=torch.float64) + 0.5) / 256)).float()
+    amax = (t.double() * 7.5).float().view(torch.int32)  # symmetric 4-bit: s = 2·amax / 15
+    steps = torch.arange(-3, 4, dtype=torch.int32)
+    a = (amax[:, None] + steps[None, :]).view(torch.float32).reshape(-1)
+    w = torch.zeros(a.numel(), 32)
+    w[:, 5] = a
+    cpu = forge.build_quant_grid(w, 32, 4, True, "range")[0]
+    gpu = forge.build_quant_grid(w.cuda(), 32, 4, True, "range")[0]
+    assert torch.equal(gpu.cpu(), cpu)
+    code = (cpu[:, 0, 0].long() | (cpu[:, 0, 1].long() << 8)).view(256, len(steps))
+    k = torch.arange(256)[:, None]
+    assert bool(((code == k).any(1) & (code == k + 1).any(1)).all())
+
+
 def test_mse_grids_on_concurrent_streams_are_independent():
     """Two MSE searches with different candidate grids queued on two streams at once: each
     equals its CPU result (the candidates once lived in one __constant__ table both overwrote)."""
