@@ -1,6 +1,7 @@
 // grid.cu — qmeta4 group metadata: range grid and MSE / L^p shrink search
 // (spec gptq-core-qmeta4 §6.2, §6.3; docs/numerics.md). Range grid: one thread per group
-// (qmeta_range_tpg_*) when groups are whole 16-byte units, else a lane per 8 elements
+// (qmeta_range_tpg_*) when groups are whole 16-byte units — read by octets of lanes when every
+// group is whole and 128 or 256 bytes (range_octets) — else a lane per 8 elements
 // (qmeta_range_*); MSE search: one warp per group.
 // x: [rows, cols] row-major, groups of G consecutive elements of a row, the last group of a
 // row padded with zeros. qmeta: [rows, ceil(cols/G)] u32.
@@ -114,6 +115,7 @@ template <> struct RangeUnit<FORGE_DT_F32> {
         for (int j = 0; j < 4; j++) { lo = fminf(lo, __uint_as_float(w[j])); hi = fmaxf(hi, __uint_as_float(w[j])); }
     }
     __device__ __forceinline__ void get(float& vmin, float& vmax) const { vmin = lo; vmax = hi; }
+    __device__ __forceinline__ void merge(float olo, float ohi) { lo = fminf(lo, olo); hi = fmaxf(hi, ohi); }
 };
 template <bool BF> struct RangeUnit16 {  // f16x2 or bf16x2 accumulators; a unit is 8 elements
     enum { EPU = 8 };
@@ -122,15 +124,16 @@ template <bool BF> struct RangeUnit16 {  // f16x2 or bf16x2 accumulators; a unit
         lo = BF ? 0x7F807F80u : 0x7C007C00u;
         hi = BF ? 0xFF80FF80u : 0xFC00FC00u;
     }
-    __device__ __forceinline__ void add2(u32 v) {
+    __device__ __forceinline__ void merge(u32 olo, u32 ohi) {  // another unit's lo / hi
         if (BF) {
-            asm("min.bf16x2 %0, %0, %1;" : "+r"(lo) : "r"(v));
-            asm("max.bf16x2 %0, %0, %1;" : "+r"(hi) : "r"(v));
+            asm("min.bf16x2 %0, %0, %1;" : "+r"(lo) : "r"(olo));
+            asm("max.bf16x2 %0, %0, %1;" : "+r"(hi) : "r"(ohi));
         } else {
-            asm("min.f16x2 %0, %0, %1;" : "+r"(lo) : "r"(v));
-            asm("max.f16x2 %0, %0, %1;" : "+r"(hi) : "r"(v));
+            asm("min.f16x2 %0, %0, %1;" : "+r"(lo) : "r"(olo));
+            asm("max.f16x2 %0, %0, %1;" : "+r"(hi) : "r"(ohi));
         }
     }
+    __device__ __forceinline__ void add2(u32 v) { merge(v, v); }
     __device__ __forceinline__ void add(uint4 u) { add2(u.x); add2(u.y); add2(u.z); add2(u.w); }
     __device__ __forceinline__ void get(float& vmin, float& vmax) const {
         if (BF) {
@@ -163,6 +166,58 @@ template <> struct RangeUnit<FORGE_DT_F8E4M3> : RangeUnit16<false> {  // 16 byte
     }
 };
 
+// The same grid with 8 lanes a group, for whole groups of 8 or 16 16-byte units (cols % G == 0,
+// G·size 128 or 256 bytes, CPL = 1 or 2 units a lane; with block scales, groups of one 128-column
+// block only): a warp's 32 groups are read in 8 steps, step j giving groups 4j .. 4j + 3 to
+// octets of lanes, CPL units a lane, so that a warp's load covers 4 groups' whole lines (one
+// thread a group reads a line a thread, 32 lines a load). Each lane keeps its units' raw
+// min / max (packed, as RangeUnit), and a recursive halving over the octet (3 rounds, 7
+// shuffles of each) leaves lane (s = lane / 8, t = lane % 8) with group 4t + s's, which it
+// scales (the group is one block: min(vmin·s, vmax·s)) and encodes: every lane encodes one
+// group, as before. Min / max are exact, so the order of the halving does not matter.
+template <int DT, int CPL>
+__device__ __forceinline__ void range_octets(const void* x, u32* qmeta, i64 total, int ng, int G,
+                                             int bits, int symmetric, const float* bs, int bcols, i64 gbase,
+                                             int lane) {
+    typedef RangeUnit<DT> U;
+    const int s = lane >> 3, t = lane & 7;
+    // cols % G == 0: group g of the matrix starts at element g·G (128·CPL bytes a group), so
+    // step j's unit sits 4j groups after the lane's first one.
+    const uint4* p = (const uint4*)((const u8*)x + (gbase + s) * (128 * CPL) + t * (16 * CPL));
+    U part[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        part[j].reset();
+        if (gbase + 4 * j + s < total)
+#pragma unroll
+            for (int v = 0; v < CPL; v++) part[j].add(__ldg(p + j * 32 * CPL + v));
+    }
+#pragma unroll
+    for (int h = 4; h >= 1; h >>= 1) {
+        const bool up = (lane & h) != 0;  // keeps the upper half of its 2h partials
+#pragma unroll
+        for (int i = 0; i < h; i++) {
+            const U send = up ? part[i] : part[i + h];
+            U keep = up ? part[i + h] : part[i];
+            keep.merge(__shfl_xor_sync(0xFFFFFFFFu, send.lo, h), __shfl_xor_sync(0xFFFFFFFFu, send.hi, h));
+            part[i] = keep;
+        }
+    }
+    const int k = 4 * t + s;
+    if (gbase + k >= total) return;
+    float mn, mx;
+    part[0].get(mn, mx);
+    if (bs != nullptr && mn <= mx) {  // not only NaNs
+        const i64 r = (gbase + k) / ng;
+        const int q = (int)(gbase + k - r * ng);
+        const float sc = bs[(r / FORGE_FP8_BLOCK) * bcols + q * G / FORGE_FP8_BLOCK];
+        const float a = mn * sc, b = mx * sc;
+        mn = fminf(a, b);
+        mx = fmaxf(a, b);
+    }
+    qmeta[gbase + k] = range_qmeta(mn, mx, bits, symmetric);
+}
+
 template <int DT>
 __device__ __forceinline__ void qmeta_range_tpg_impl(const void* x, u32* qmeta, int rows, int cols, int G,
                                                      int bits, int symmetric, const float* bs, int bcols) {
@@ -170,6 +225,15 @@ __device__ __forceinline__ void qmeta_range_tpg_impl(const void* x, u32* qmeta, 
     constexpr int EPU = U::EPU;
     const i64 gid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const int ng = (cols + G - 1) / G;
+    const int gbytes = G * ElemBytes<DT>::v;
+    if (cols % G == 0 && (gbytes == 128 || (gbytes == 256 && bs == nullptr))) {  // whole groups of 8 or 16 units
+        const int lane = threadIdx.x & 31;
+        const i64 gbase = gid - lane;
+        if (gbase >= (i64)rows * ng) return;  // the whole warp
+        if (gbytes == 128) range_octets<DT, 1>(x, qmeta, (i64)rows * ng, ng, G, bits, symmetric, bs, bcols, gbase, lane);
+        else range_octets<DT, 2>(x, qmeta, (i64)rows * ng, ng, G, bits, symmetric, bs, bcols, gbase, lane);
+        return;
+    }
     if (gid >= (i64)rows * ng) return;
     const i64 r = gid / ng;
     const int c0 = (int)(gid % ng) * G;

@@ -183,8 +183,9 @@ fn qmeta_grids_bit_exact() {
             symmetric: sym,
         };
         // 300: not a multiple of 8 (element by element); 1000: a padded last group read 8
-        // elements at a time.
-        for (rows, cols) in [(16, 512), (13, 300), (8, 1000)] {
+        // elements at a time; 13 × 512: whole groups read by octets of lanes, a warp's 32
+        // groups spanning rows and the last warp part-filled.
+        for (rows, cols) in [(16, 512), (13, 300), (8, 1000), (13, 512)] {
             grid_case::<f32>(rows, cols, &spec, Some(&mse), 1);
             grid_case::<f16>(rows, cols, &spec, Some(&mse2), 2);
             grid_case::<bf16>(rows, cols, &spec, Some(&mse), 3);
