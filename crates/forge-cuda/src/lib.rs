@@ -96,6 +96,15 @@ mod tests {
             for m in kernels::Module::ALL {
                 let cubin = compile_for_arch(m, arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
                 assert!(cubin.len() > 1000, "{arch} {}", m.name());
+                // Every entry point the kernel table names is in the CUBIN (its symbol table
+                // holds the names): a module that compiles but lost a kernel fails here, not
+                // at its first launch on a GPU.
+                for k in m.kernels() {
+                    let found = cubin
+                        .windows(k.len() + 1)
+                        .any(|w| &w[..k.len()] == k.as_bytes() && w[k.len()] == 0);
+                    assert!(found, "{arch} {}: no entry point {k}", m.name());
+                }
             }
         }
     }
