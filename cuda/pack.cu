@@ -84,39 +84,57 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     const int quarters = min(QUARTERS, (K - k0) / 32);
     // Phase 1. The row's loads are issued first, all at once; its grid is decoded while they
     // are in flight.
-    {
-        const int n = n0 + tid;
-        if (n < N) {
-            constexpr int VEC = BK * ElemBytes<DT>::v / 16;  // 16-byte words: 8 (16 for f32)
-            const uint4* src = (const uint4*)((const u8*)w + ((i64)n * K + k0) * ElemBytes<DT>::v);
-            uint4 raw[VEC];
+    const int n = n0 + tid;
+    GroupParams p[QUARTERS];
+    if (n < N) {
+        constexpr int VEC = BK * ElemBytes<DT>::v / 16;  // 16-byte words: 8 (16 for f32)
+        const uint4* src = (const uint4*)((const u8*)w + ((i64)n * K + k0) * ElemBytes<DT>::v);
+        uint4 raw[VEC];
 #pragma unroll
-            for (int i = 0; i < VEC; i++)
-                if (i / (VEC / QUARTERS) < quarters) raw[i] = src[i];
-            const u32* qm = qmeta + (i64)n * ng;
-            GroupParams p[QUARTERS];
+        for (int i = 0; i < VEC; i++)
+            if (i / (VEC / QUARTERS) < quarters) raw[i] = src[i];
+        const u32* qm = qmeta + (i64)n * ng;
 #pragma unroll
-            for (int h = 0; h < QUARTERS; h++) {
-                const int k = k0 + 32 * h;
-                if (h == 0 || (h < quarters && k % G == 0)) p[h] = qmeta_params(qm[k / G], bits);
-                else p[h] = p[h - 1];
-            }
-            // k0 is a multiple of BK, which divides 128: one 128-wide block scale per tile.
-            const float sc = bs != nullptr ? block_scale(bs, bcols, n, k0) : 1.0f;
+        for (int h = 0; h < QUARTERS; h++) {
+            const int k = k0 + 32 * h;
+            if (h == 0 || (h < quarters && k % G == 0)) p[h] = qmeta_params(qm[k / G], bits);
+            else p[h] = p[h - 1];
+        }
+        // k0 is a multiple of BK, which divides 128: one 128-wide block scale per tile.
+        const float sc = bs != nullptr ? block_scale(bs, bcols, n, k0) : 1.0f;
 #pragma unroll
-            for (int q = 0; q < R; q++) {
-                if (q / 4 < quarters) {
-                    float v[8];
-                    decode_run<DT>(raw, q, v);
-                    u32 word = 0;
+        for (int q = 0; q < R; q++) {
+            if (q / 4 < quarters) {
+                float v[8];
+                decode_run<DT>(raw, q, v);
+                u32 word = 0;
 #pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        const float x = bs != nullptr ? v[j] * sc : v[j];
-                        word += quant_code_u(x, p[q / 4], maxq) << (4 * j);  // codes <= 15: + is |
-                    }
-                    runs[qp_slot<R>(tid, q)] = word;
+                for (int j = 0; j < 8; j++) {
+                    const float x = bs != nullptr ? v[j] * sc : v[j];
+                    word += quant_code_u(x, p[q / 4], maxq) << (4 * j);  // codes <= 15: + is |
                 }
+                runs[qp_slot<R>(tid, q)] = word;
             }
+        }
+    }
+    // Group metadata, once per group, by the tile that holds the group's first input: each
+    // thread writes its row's scale from the grid it decoded, and an octet of lanes (rows
+    // 8c..8c+7; N % 8 == 0, so an octet is all in or all out) ORs its zero points into the AWQ
+    // word by shuffles — nothing is read again at the block's end.
+#pragma unroll
+    for (int h = 0; h < QUARTERS; h++) {
+        const int k = k0 + 32 * h;
+        if (h < quarters && k % G == 0) {
+            const int grp = k / G, j = tid & 7;
+            u32 zw = 0;
+            if (n < N) {
+                scales[(i64)grp * N + n] = f32_to_f16_rn(p[h].scale);
+                zw = ((u32)p[h].zero & 15u) << (4 * ((j >> 1) | ((j & 1) << 2)));  // column j at ORDER⁻¹[j]
+            }
+            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 1);
+            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 2);
+            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 4);
+            if (j == 0 && n < N) qzeros[(i64)grp * (N / 8) + n / 8] = zw;
         }
     }
     __syncthreads();
@@ -136,21 +154,6 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
             nibble_transpose8(a);
 #pragma unroll
             for (int j = 0; j < 8; j++) qweight[(i64)(k + j) * NW + gwc] = a[j];
-        }
-    }
-    // Group metadata once per group, by the tile that holds the group's first input.
-    for (int kg = (k0 + G - 1) / G * G; kg < k0 + 32 * quarters; kg += G) {
-        const int grp = kg / G;
-        int n = n0 + tid;
-        if (n < N) scales[(i64)grp * N + n] = f32_to_f16_rn(decode_scale((int)(short)(qmeta[(i64)n * ng + grp] & 0xFFFFu)));
-        if (tid < 32) {
-            int gwc = n0 / 8 + tid;
-            if (gwc < NW) {
-                u8 z[8];
-#pragma unroll
-                for (int j = 0; j < 8; j++) z[j] = (u8)zero_point_of(qmeta[(i64)(8 * gwc + j) * ng + grp], bits);
-                qzeros[(i64)grp * NW + gwc] = awq_word8(z);
-            }
         }
     }
 }
