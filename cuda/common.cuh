@@ -150,6 +150,12 @@ template <> __device__ __forceinline__ void load8<FORGE_DT_F8E4M3>(const void* p
     e4m3x8_to_f32(a.x, a.y, v);
 }
 
+// ---- AWQ nibble order ----------------------------------------------------------------------
+// Nibble i of an AWQ word holds column awq_col(i) of its 8 (ORDER = {0,2,4,6,1,3,5,7}); column
+// j sits at nibble awq_nibble(j), the inverse.
+__device__ __forceinline__ int awq_col(int i) { return ((i & 3) << 1) | (i >> 2); }
+__device__ __forceinline__ int awq_nibble(int j) { return (j >> 1) | ((j & 1) << 2); }
+
 // ---- qmeta4 ----------------------------------------------------------------------------
 __device__ __forceinline__ float pow2i(int e) { return __uint_as_float(((u32)(e + 127)) << 23); }
 

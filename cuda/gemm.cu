@@ -157,9 +157,8 @@ __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const 
             const uint4 sv = *(const uint4*)&Ms[st][GM_BW + 4 * cl];
             const u32 h[8] = {sv.x & 0xFFFF, sv.x >> 16, sv.y & 0xFFFF, sv.y >> 16,
                               sv.z & 0xFFFF, sv.z >> 16, sv.w & 0xFFFF, sv.w >> 16};
-            const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 #pragma unroll
-            for (int i = 0; i < 8; i++) dq_consts<BF>(zw, i, h[order[i]], zm[i], s2[i]);
+            for (int i = 0; i < 8; i++) dq_consts<BF>(zw, i, h[awq_col(i)], zm[i], s2[i]);
         }
 #pragma unroll
         for (int s = 0; s < 2; s++) {
@@ -192,7 +191,6 @@ __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const 
     cp_async_wait<0>();
 
     // Epilogue.
-    const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
     const int wca = wc_block + 8 * warp + 2 * tig;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
@@ -203,7 +201,7 @@ __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const 
                 const int r = m0 + 16 * mt + g + ((c & 2) ? 8 : 0);
                 const int wc = wca + (c & 1);
                 if (r < M && wc < NW) {
-                    const i64 n = 8 * (i64)wc + order[i];
+                    const i64 n = 8 * (i64)wc + awq_col(i);
                     const float v = acc[mt][i][c];
                     if (split_out) {
                         ((float*)out)[((i64)blockIdx.z * M + r) * N + n] = v;
@@ -489,11 +487,10 @@ template <bool BF>
 __device__ __forceinline__ void gemv_meta(u32 zw, uint4 sv, u32 zm[8], u32 s2[8]) {
     const u32 h[8] = {sv.x & 0xFFFF, sv.x >> 16, sv.y & 0xFFFF, sv.y >> 16,
                       sv.z & 0xFFFF, sv.z >> 16, sv.w & 0xFFFF, sv.w >> 16};
-    const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         u32 z = (zw >> (4 * i)) & 15u;
-        u32 hs = h[order[i]];
+        u32 hs = h[awq_col(i)];
         if (BF) {
             u32 nz = 0xC300u | z;
             zm[i] = nz | (nz << 16);
@@ -627,7 +624,6 @@ __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const
     }
     __syncthreads();
     if (warp == 0) {
-        const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 #pragma unroll
         for (int i = 0; i < 8; i++) {
 #pragma unroll
@@ -638,7 +634,7 @@ __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const
                 const int r = g + ((q & 2) ? 8 : 0);
                 const int wc = blockIdx.x * 8 + 2 * tig + (q & 1);
                 if (r < M && wc < NW) {
-                    const i64 n = 8 * (i64)wc + order[i];
+                    const i64 n = 8 * (i64)wc + awq_col(i);
                     if (split_out) {
                         ((float*)out)[((i64)blockIdx.z * M + r) * N + n] = v;
                     } else {
@@ -730,13 +726,12 @@ __device__ __forceinline__ void gemv3_core(const Gv3Rows<MR>& rows, int m, bool 
     int cur = -1;
 
     auto flush = [&]() {
-        const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 #pragma unroll
         for (int j = 0; j < WPL; j++) {
             const u32 h[4] = {sv[j].x, sv[j].y, sv[j].z, sv[j].w};
 #pragma unroll
             for (int i = 0; i < 8; i++) {
-                const int o = order[i];
+                const int o = awq_col(i);
                 const u16 hs = (u16)((h[o >> 1] >> (16 * (o & 1))) & 0xFFFF);
                 float s = f16_to_f32(hs);
                 if (BF) s = bf16_to_f32(f32_to_bf16_rn(s));
@@ -831,7 +826,6 @@ __device__ __forceinline__ void gemv3_core(const Gv3Rows<MR>& rows, int m, bool 
     }
     __syncthreads();
     if (warp == 0 && col_ok) {
-        const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if (r >= m) break;
@@ -841,7 +835,7 @@ __device__ __forceinline__ void gemv3_core(const Gv3Rows<MR>& rows, int m, bool 
                 float v = T[r][i];
 #pragma unroll
                 for (int w = 0; w < GV3_WARPS - 1; w++) v = v + red[((w * R + r) * NC + i) * 32 + lane];
-                const i64 n = 8 * (i64)(c + i / 8) + order[i % 8];
+                const i64 n = 8 * (i64)(c + i / 8) + awq_col(i % 8);
                 if (split_out) {
                     ((float*)out)[((i64)blockIdx.z * M + orow) * N + n] = v;
                 } else {

@@ -129,7 +129,7 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
             u32 zw = 0;
             if (n < N) {
                 scales[(i64)grp * N + n] = f32_to_f16_rn(p[h].scale);
-                zw = ((u32)p[h].zero & 15u) << (4 * ((j >> 1) | ((j & 1) << 2)));  // column j at ORDER⁻¹[j]
+                zw = ((u32)p[h].zero & 15u) << (4 * awq_nibble(j));
             }
             zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 1);
             zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 2);
@@ -138,7 +138,7 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
         }
     }
     __syncthreads();
-    // Phase 2: AWQ word i of an input row holds column ORDER[i] = {0,2,4,6,1,3,5,7}.
+    // Phase 2: AWQ word i of an input row holds column awq_col(i).
     const int NW = N / 8;
     const int o = tid & 31;
     const int gwc = n0 / 8 + o;
@@ -147,10 +147,9 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
         const int q = (tid >> 5) + 8 * i;
         const int k = k0 + 8 * q;
         if (gwc < NW && q / 4 < quarters) {
-            const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
             u32 a[8];
 #pragma unroll
-            for (int c = 0; c < 8; c++) a[c] = runs[qp_slot<R>(8 * o + order[c], q)];
+            for (int c = 0; c < 8; c++) a[c] = runs[qp_slot<R>(8 * o + awq_col(c), q)];
             nibble_transpose8(a);
 #pragma unroll
             for (int j = 0; j < 8; j++) qweight[(i64)(k + j) * NW + gwc] = a[j];
