@@ -294,6 +294,31 @@ fn preload_nvrtc() {
             dirs.push(PathBuf::from(&h).join("lib"));
         }
     }
+    // NVIDIA's pip wheels (torch depends on them): site-packages/nvidia/cu13/lib (CUDA 13) or
+    // nvidia/cuda_nvrtc/lib (CUDA 12) of the active virtual environment or conda prefix, and of
+    // the environment whose bin/ holds this executable (forge-rs installed by pip).
+    let mut prefixes: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"]
+        .iter()
+        .filter_map(|v| std::env::var_os(v).map(PathBuf::from))
+        .collect();
+    if let Some(root) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent()?.parent().map(PathBuf::from))
+    {
+        prefixes.push(root);
+    }
+    for prefix in prefixes {
+        let Ok(rd) = std::fs::read_dir(prefix.join("lib")) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy().starts_with("python") {
+                let nv = e.path().join("site-packages").join("nvidia");
+                dirs.push(nv.join("cu13").join("lib"));
+                dirs.push(nv.join("cuda_nvrtc").join("lib"));
+            }
+        }
+    }
     dirs.push("/usr/local/cuda/lib64".into());
     if let Ok(rd) = std::fs::read_dir("/usr/local") {
         for e in rd.flatten() {
