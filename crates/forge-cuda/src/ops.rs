@@ -197,9 +197,11 @@ impl QmetaGrid {
     }
 }
 
-/// Whether the range grid runs one thread per group (`qmeta_range_tpg_<dt>`): every group is
-/// whole 16-byte units (x 16-byte aligned, the group size and the columns multiples of 16
-/// bytes' worth of elements), and for E4M3 the hardware's pairwise conversion (sm_89+).
+/// Whether the range grid runs `qmeta_range_tpg_<dt>` (one thread per group's worth of the
+/// launch): every group is whole 16-byte units (x 16-byte aligned, the group size and the
+/// columns multiples of 16 bytes' worth of elements), and for E4M3 the hardware's pairwise
+/// conversion (sm_89+). The kernel itself reads groups by octets of lanes when every group is
+/// whole and 128 or 256 bytes long (grid.cu `range_octets`), one thread a group otherwise.
 fn range_per_group(a: &QmetaGrid, cc: (i32, i32)) -> bool {
     let per_unit = 16 / a.dtype.size();
     a.x.is_multiple_of(16)
