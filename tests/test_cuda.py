@@ -324,6 +324,22 @@ def test_hessian_update_and_segments(dtype):
     for i in range(e):
         xe = x[idx[offsets[i] : offsets[i + 1]].long()].double()
         torch.testing.assert_close(hs[i].double().cpu(), xe.T @ xe, rtol=1e-4, atol=1e-3)
+    # A NaN in a routed row: refused by the default check (H untouched); with
+    # check_finite=False it shows on its expert's diagonal only.
+    xn = x.clone()
+    row = int(idx[70])  # routed to expert 2 (positions 60..200)
+    xn[row, 7] = float("nan")
+    before = hs.clone()
+    with pytest.raises(forge.errors.InvalidValueError, match="x"):
+        forge.hessian_update_segmented(hs, xn.cuda(), idx.cuda(), offsets.cuda(), 1.0)
+    assert torch.equal(hs, before)
+    forge.hessian_update_segmented(hs, xn.cuda(), idx.cuda(), offsets.cuda(), 1.0, check_finite=False)
+    assert bool(torch.isnan(hs[2, 7, 7]))
+    assert bool(torch.isfinite(hs[0]).all()) and bool(torch.isfinite(hs[3]).all())
+    bad = idx.clone()
+    bad[5] = t
+    with pytest.raises(forge.errors.InvalidValueError, match="idx"):
+        forge.hessian_update_segmented(hs, x.cuda(), bad.cuda(), offsets.cuda(), 1.0, check_finite=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

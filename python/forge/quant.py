@@ -386,14 +386,22 @@ def hessian_update(
 
 
 def hessian_update_segmented(
-    hessian: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, offsets: torch.Tensor, alpha: float = 1.0
+    hessian: torch.Tensor,
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    offsets: torch.Tensor,
+    alpha: float = 1.0,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """Per-expert Hessians in one call: ``hessian[e] += alpha * X_e.T @ X_e`` with
     ``X_e = x[idx[offsets[e]:offsets[e+1]]]`` (the tokens routed to expert ``e``).
 
     ``hessian (E, D, D)`` float32, ``x (T, D)``, ``idx`` int32, ``offsets (E + 1,)`` int32.
+    The offsets and the indices' range are always checked; ``check_finite=False`` skips the
+    NaN/Inf pass over a CUDA ``x`` (a read of all of ``x`` and a host sync), as for
+    :func:`hessian_update` (NaN or Inf in a routed row shows on its expert's diagonal).
     """
-    _native.hessian_update_segmented(hessian, x, idx, offsets, float(alpha))
+    _native.hessian_update_segmented(hessian, x, idx, offsets, float(alpha), check_finite)
     return hessian
 
 
