@@ -336,6 +336,13 @@ def test_hessian_update_and_segments(dtype):
     forge.hessian_update_segmented(hs, xn.cuda(), idx.cuda(), offsets.cuda(), 1.0, check_finite=False)
     assert bool(torch.isnan(hs[2, 7, 7]))
     assert bool(torch.isfinite(hs[0]).all()) and bool(torch.isfinite(hs[3]).all())
+    # No routed rows at all: nothing to add (an empty idx has no device pointer).
+    before = hs.clone()
+    empty = torch.zeros(0, dtype=torch.int32, device="cuda")
+    forge.hessian_update_segmented(
+        hs, x.cuda(), empty, torch.zeros(e + 1, dtype=torch.int32, device="cuda"), 1.0
+    )
+    assert torch.equal(hs, before)
     bad = idx.clone()
     bad[5] = t
     with pytest.raises(forge.errors.InvalidValueError, match="idx"):

@@ -996,6 +996,13 @@ pub fn hessian_update_segmented<'py>(
             "hessian: must be contiguous (it is updated in place)",
         ));
     }
+    if !alpha.is_finite() {
+        return Err(raise(
+            py,
+            "InvalidValueError",
+            format!("alpha: must be finite, got {alpha}"),
+        ));
+    }
     // Offsets and indices are small: validate them on the host.
     let offs: Vec<i64> = ot.obj.call_method0("tolist")?.extract()?;
     let s_len = it.shape[0] as i64;
@@ -1006,7 +1013,11 @@ pub fn hessian_update_segmented<'py>(
             format!("offsets: must start at 0, not decrease and end at len(idx) = {s_len}"),
         ));
     }
-    if s_len > 0 {
+    if s_len == 0 {
+        // No routed rows: nothing to add (an empty idx has no device pointer to launch with).
+        return Ok(());
+    }
+    {
         // One pass and one sync for both ends.
         let torch = py.import("torch")?;
         let ends = torch.call_method1("aminmax", (&it.obj,))?;
