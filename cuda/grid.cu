@@ -1,8 +1,8 @@
 // grid.cu — qmeta4 group metadata: range grid and MSE / L^p shrink search
-// (spec gptq-core-qmeta4 §6.2, §6.3; docs/numerics.md). Range grid: one thread per group
-// (qmeta_range_tpg_*) when groups are whole 16-byte units — read by octets of lanes when every
-// group is whole and 128 or 256 bytes (range_octets) — else a lane per 8 elements
-// (qmeta_range_*); MSE search: one warp per group.
+// (spec gptq-core-qmeta4 §6.2, §6.3; docs/numerics.md). Range grid, three kernels (ops.rs
+// range_kernel chooses): groups of 128 or 256 whole bytes read by octets of lanes
+// (qmeta_range_oct_*), else one thread per group when groups are whole 16-byte units
+// (qmeta_range_tpg_*), else a lane per 8 elements (qmeta_range_*); MSE search: one warp per group.
 // x: [rows, cols] row-major, groups of G consecutive elements of a row, the last group of a
 // row padded with zeros. qmeta: [rows, ceil(cols/G)] u32.
 
@@ -225,15 +225,6 @@ __device__ __forceinline__ void qmeta_range_tpg_impl(const void* x, u32* qmeta, 
     constexpr int EPU = U::EPU;
     const i64 gid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const int ng = (cols + G - 1) / G;
-    const int gbytes = G * ElemBytes<DT>::v;
-    if (cols % G == 0 && (gbytes == 128 || (gbytes == 256 && bs == nullptr))) {  // whole groups of 8 or 16 units
-        const int lane = threadIdx.x & 31;
-        const i64 gbase = gid - lane;
-        if (gbase >= (i64)rows * ng) return;  // the whole warp
-        if (gbytes == 128) range_octets<DT, 1>(x, qmeta, (i64)rows * ng, ng, G, bits, symmetric, bs, bcols, gbase, lane);
-        else range_octets<DT, 2>(x, qmeta, (i64)rows * ng, ng, G, bits, symmetric, bs, bcols, gbase, lane);
-        return;
-    }
     if (gid >= (i64)rows * ng) return;
     const i64 r = gid / ng;
     const int c0 = (int)(gid % ng) * G;
@@ -363,6 +354,18 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
     if (lane == 0) qmeta[gid] = make_qmeta(best_q, (meta >> 16) & 0xFFu, (meta >> 24) & 1u);
 }
 
+// Whole groups of 128 or 256 bytes (cols % G == 0; with block scales 128 only; ops.rs
+// range_kernel): a warp's 32 groups read by octets of lanes (range_octets).
+template <int DT>
+__device__ __forceinline__ void qmeta_range_oct_impl(const void* x, u32* qmeta, int rows, int cols, int G,
+                                                     int bits, int symmetric, const float* bs, int bcols) {
+    const int lane = threadIdx.x & 31;
+    const i64 gbase = (i64)blockIdx.x * blockDim.x + threadIdx.x - lane, total = (i64)rows * (cols / G);
+    if (gbase >= total) return;  // the whole warp
+    if (G * ElemBytes<DT>::v == 128) range_octets<DT, 1>(x, qmeta, total, cols / G, G, bits, symmetric, bs, bcols, gbase, lane);
+    else range_octets<DT, 2>(x, qmeta, total, cols / G, G, bits, symmetric, bs, bcols, gbase, lane);
+}
+
 #define FORGE_GRID_ENTRIES(SUF, DT)                                                                    \
     extern "C" __global__ void qmeta_range_##SUF(const void* x, u32* qmeta, int rows, int cols, int G,  \
                                                   int bits, int symmetric, const float* bs, int bcols) { \
@@ -372,6 +375,11 @@ __device__ __forceinline__ void qmeta_mse_impl(const void* x, u32* qmeta, int ro
         qmeta_range_tpg_##SUF(const void* x, u32* qmeta, int rows, int cols, int G, int bits, int symmetric, \
                               const float* bs, int bcols) {                                            \
         qmeta_range_tpg_impl<DT>(x, qmeta, rows, cols, G, bits, symmetric, bs, bcols);                  \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 4)                                               \
+        qmeta_range_oct_##SUF(const void* x, u32* qmeta, int rows, int cols, int G, int bits, int symmetric, \
+                              const float* bs, int bcols) {                                            \
+        qmeta_range_oct_impl<DT>(x, qmeta, rows, cols, G, bits, symmetric, bs, bcols);                  \
     }                                                                                                  \
     extern "C" __global__ void qmeta_mse_##SUF(const void* x, u32* qmeta, int rows, int cols, int G,    \
                                                 int bits, int n_grid, float norm, float max_shrink,     \

@@ -197,17 +197,37 @@ impl QmetaGrid {
     }
 }
 
-/// Whether the range grid runs `qmeta_range_tpg_<dt>` (one thread per group's worth of the
-/// launch): every group is whole 16-byte units (x 16-byte aligned, the group size and the
-/// columns multiples of 16 bytes' worth of elements), and for E4M3 the hardware's pairwise
-/// conversion (sm_89+). The kernel itself reads groups by octets of lanes when every group is
-/// whole and 128 or 256 bytes long (grid.cu `range_octets`), one thread a group otherwise.
-fn range_per_group(a: &QmetaGrid, cc: (i32, i32)) -> bool {
+/// The range grid's kernel (cuda/grid.cu), for `a` on a device of compute capability `cc`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RangeKernel {
+    /// `qmeta_range_oct_<dt>`: every group whole and 128 or 256 bytes long (with block scales
+    /// 128: one 128-column block), read by octets of lanes so that a warp's load covers whole
+    /// lines of 4 groups.
+    Octets,
+    /// `qmeta_range_tpg_<dt>`: one thread a group, its whole 16-byte units.
+    PerGroup,
+    /// `qmeta_range_<dt>`: one lane per 8 elements of a group (any shape).
+    Lanes,
+}
+
+/// Octets or one thread a group need every group in whole 16-byte units (x 16-byte aligned,
+/// the group size and the columns multiples of 16 bytes' worth of elements) and, for E4M3,
+/// the hardware's pairwise conversion (sm_89+).
+fn range_kernel(a: &QmetaGrid, cc: (i32, i32)) -> RangeKernel {
     let per_unit = 16 / a.dtype.size();
-    a.x.is_multiple_of(16)
+    let g = a.spec.group_size;
+    let units = a.x.is_multiple_of(16)
         && a.cols.is_multiple_of(per_unit)
-        && a.spec.group_size.is_multiple_of(per_unit)
-        && (a.dtype != DType::F8E4M3 || cc >= (8, 9))
+        && g.is_multiple_of(per_unit)
+        && (a.dtype != DType::F8E4M3 || cc >= (8, 9));
+    let gbytes = g * a.dtype.size();
+    if !units {
+        RangeKernel::Lanes
+    } else if a.cols.is_multiple_of(g) && (gbytes == 128 || (gbytes == 256 && a.block_scale == 0)) {
+        RangeKernel::Octets
+    } else {
+        RangeKernel::PerGroup
+    }
 }
 
 /// Range grid (spec §6.2) of `a.x` into `a.qmeta` (see [`QmetaGrid`]). Bit-identical to
@@ -219,15 +239,24 @@ fn range_per_group(a: &QmetaGrid, cc: (i32, i32)) -> bool {
 pub unsafe fn qmeta_range(a: &QmetaGrid, s: Stream) -> Result<()> {
     a.validate()?;
     let dev = dev_of(s)?;
-    let (f, grid) = if range_per_group(a, dev.cc) {
-        // qmeta_range_tpg: one thread per group.
-        let f = dev.function(kname("qmeta_range_tpg", a.dtype)?)?;
-        (f, blocks(a.groups()?, 256)?)
-    } else {
-        // grid.cu's range_lanes: one lane per 8 elements of a group, a power of two, at most 32.
-        let lanes = a.spec.group_size.div_ceil(8).next_power_of_two().min(32);
-        let f = dev.function(kname("qmeta_range", a.dtype)?)?;
-        (f, blocks(a.groups()? * lanes, 256)?)
+    let (f, grid) = match range_kernel(a, dev.cc) {
+        // One thread per group (a warp's 32 groups read together by octets of lanes, or
+        // each group by its thread).
+        RangeKernel::Octets => (
+            dev.function(kname("qmeta_range_oct", a.dtype)?)?,
+            blocks(a.groups()?, 256)?,
+        ),
+        RangeKernel::PerGroup => (
+            dev.function(kname("qmeta_range_tpg", a.dtype)?)?,
+            blocks(a.groups()?, 256)?,
+        ),
+        RangeKernel::Lanes => {
+            // grid.cu's range_lanes: one lane per 8 elements of a group, a power of two, at
+            // most 32.
+            let lanes = a.spec.group_size.div_ceil(8).next_power_of_two().min(32);
+            let f = dev.function(kname("qmeta_range", a.dtype)?)?;
+            (f, blocks(a.groups()? * lanes, 256)?)
+        }
     };
     let (mut px, mut pq) = (a.x, a.qmeta);
     let (mut r, mut c, mut g) = (
@@ -1738,26 +1767,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn range_grid_thread_per_group_needs_whole_units() {
-        // Whether a (dtype, x address, cols, group size) grid runs one thread per group.
-        let per_group = |dtype: DType, x: u64, cols: usize, group_size: usize, cc: (i32, i32)| {
-            let spec = GridSpec {
-                bits: 4,
-                group_size,
-                symmetric: false,
+    fn range_grid_kernel_choice() {
+        use RangeKernel::{Lanes, Octets, PerGroup};
+        // The range kernel of a (dtype, x address, cols, group size, block scales) grid.
+        let kernel =
+            |dtype: DType, x: u64, cols: usize, group_size: usize, bs: u64, cc: (i32, i32)| {
+                let spec = GridSpec {
+                    bits: 4,
+                    group_size,
+                    symmetric: false,
+                };
+                let g = QmetaGrid {
+                    x,
+                    dtype,
+                    rows: 4,
+                    cols,
+                    spec,
+                    qmeta: 0,
+                    block_scale: bs,
+                };
+                range_kernel(&g, cc)
             };
-            let (rows, qmeta, block_scale) = (4, 0, 0);
-            let g = QmetaGrid {
-                x,
-                dtype,
-                rows,
-                cols,
-                spec,
-                qmeta,
-                block_scale,
-            };
-            range_per_group(&g, cc)
-        };
         let hopper = (9, 0);
         // Whole 16-byte units: 4 f32, 8 f16 / bf16, 16 E4M3 elements.
         for (dt, per) in [
@@ -1766,20 +1796,51 @@ mod tests {
             (DType::Bf16, 8),
             (DType::F8E4M3, 16),
         ] {
-            assert!(per_group(dt, 4096, 704, 128, hopper), "{dt:?}");
-            assert!(per_group(dt, 4096, 32 * per, 2 * per, hopper), "{dt:?}");
-            // a misaligned x, columns or groups not whole units: the lane-per-8 kernel
-            assert!(!per_group(dt, 4096 + 8, 704, 128, hopper), "{dt:?}");
-            assert!(!per_group(dt, 4096, 704 + per / 2, 128, hopper), "{dt:?}");
-            assert!(
-                !per_group(dt, 4096, 704, 8 * per + per / 2, hopper),
+            // Every group whole and 128 bytes (8 units), or 256 bytes without block scales.
+            assert_eq!(kernel(dt, 4096, 4096, 8 * per, 0, hopper), Octets, "{dt:?}");
+            assert_eq!(
+                kernel(dt, 4096, 4096, 8 * per, 4096, hopper),
+                Octets,
+                "{dt:?}"
+            );
+            assert_eq!(
+                kernel(dt, 4096, 4096, 16 * per, 0, hopper),
+                Octets,
+                "{dt:?}"
+            );
+            assert_eq!(
+                kernel(dt, 4096, 4096, 16 * per, 4096, hopper),
+                PerGroup,
+                "{dt:?}"
+            );
+            // A padded last group (704 = 5.5 groups of 128), or groups of 2 units.
+            assert_eq!(kernel(dt, 4096, 704, 128, 0, hopper), PerGroup, "{dt:?}");
+            assert_eq!(
+                kernel(dt, 4096, 32 * per, 2 * per, 0, hopper),
+                PerGroup,
+                "{dt:?}"
+            );
+            // A misaligned x, columns or groups not whole units: the lane-per-8 kernel.
+            assert_eq!(
+                kernel(dt, 4096 + 8, 4096, 8 * per, 0, hopper),
+                Lanes,
+                "{dt:?}"
+            );
+            assert_eq!(
+                kernel(dt, 4096, 704 + per / 2, 128, 0, hopper),
+                Lanes,
+                "{dt:?}"
+            );
+            assert_eq!(
+                kernel(dt, 4096, 704, 8 * per + per / 2, 0, hopper),
+                Lanes,
                 "{dt:?}"
             );
         }
         // E4M3 needs the pairwise hardware conversion (sm_89+); the other types do not.
-        assert!(!per_group(DType::F8E4M3, 4096, 704, 128, (8, 0)));
-        assert!(per_group(DType::F8E4M3, 4096, 704, 128, (8, 9)));
-        assert!(per_group(DType::Bf16, 4096, 704, 128, (8, 0)));
+        assert_eq!(kernel(DType::F8E4M3, 4096, 4096, 128, 0, (8, 0)), Lanes);
+        assert_eq!(kernel(DType::F8E4M3, 4096, 4096, 128, 0, (8, 9)), Octets);
+        assert_eq!(kernel(DType::Bf16, 4096, 704, 128, 0, (8, 0)), PerGroup);
     }
 
     #[test]
