@@ -1,21 +1,21 @@
 // pack.cu — int4 packing for vLLM: fused round-to-nearest quantize + AWQ pack of a weight
 // [N, K], and packing of GPTQ codes [K, N] (u8) into the AWQ and GPTQ v1 layouts.
-// AWQ: qweight i32 [K, N/8], nibble i of word [k, c] = column 8c + ORDER[i],
-// ORDER = {0,2,4,6,1,3,5,7}; qzeros i32 [K/G, N/8] same order; scales f16 [K/G, N].
+// AWQ: qweight i32 [K, N/8], nibble i of word [k, c] = column 8c + awq_col(i) (common.cuh:
+// the order 0,2,4,6,1,3,5,7); qzeros i32 [K/G, N/8] same order; scales f16 [K/G, N].
 // GPTQ v1: qweight i32 [K/8, N] (row 8r+i at bits 4i), qzeros [K/G, N/8] plain order of
 // z - 1, scales f16 [K/G, N].
 
 __device__ __forceinline__ u32 awq_word8(const u8* v) {  // v[0..8): codes of columns 8c..8c+7
-    return (u32)(v[0] & 15) | ((u32)(v[2] & 15) << 4) | ((u32)(v[4] & 15) << 8) | ((u32)(v[6] & 15) << 12) |
-           ((u32)(v[1] & 15) << 16) | ((u32)(v[3] & 15) << 20) | ((u32)(v[5] & 15) << 24) |
-           ((u32)(v[7] & 15) << 28);
+    u32 w = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) w |= (u32)(v[awq_col(i)] & 15) << (4 * i);
+    return w;
 }
 // Same from a little-endian u64 holding 8 bytes.
 __device__ __forceinline__ u32 awq_word_u64(u64 b) {
     u32 w = 0;
-    const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 #pragma unroll
-    for (int i = 0; i < 8; i++) w |= (u32)((b >> (8 * order[i])) & 15) << (4 * i);
+    for (int i = 0; i < 8; i++) w |= (u32)((b >> (8 * awq_col(i))) & 15) << (4 * i);
     return w;
 }
 
