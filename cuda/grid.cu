@@ -166,6 +166,13 @@ template <> struct RangeUnit<FORGE_DT_F8E4M3> : RangeUnit16<false> {  // 16 byte
     }
 };
 
+// [lo, hi] of a group's raw values times its block scale sc (negative scales swap the ends).
+__device__ __forceinline__ void scale_range(float& lo, float& hi, float sc) {
+    const float a = lo * sc, b = hi * sc;
+    lo = fminf(a, b);
+    hi = fmaxf(a, b);
+}
+
 // The same grid with 8 lanes a group, for whole groups of 8 or 16 16-byte units (cols % G == 0,
 // G·size 128 or 256 bytes, CPL = 1 or 2 units a lane; with block scales, groups of one 128-column
 // block only): a warp's 32 groups are read in 8 steps, step j giving groups 4j .. 4j + 3 to
@@ -209,11 +216,7 @@ __device__ __forceinline__ void range_octets(const void* x, u32* qmeta, i64 tota
     part[0].get(mn, mx);
     if (bs != nullptr && mn <= mx) {  // not only NaNs
         const i64 r = (gbase + k) / ng;
-        const int q = (int)(gbase + k - r * ng);
-        const float sc = bs[(r / FORGE_FP8_BLOCK) * bcols + q * G / FORGE_FP8_BLOCK];
-        const float a = mn * sc, b = mx * sc;
-        mn = fminf(a, b);
-        mx = fmaxf(a, b);
+        scale_range(mn, mx, block_scale(bs, bcols, r, (gbase + k - r * ng) * G));
     }
     qmeta[gbase + k] = range_qmeta(mn, mx, bits, symmetric);
 }
@@ -239,10 +242,9 @@ __device__ __forceinline__ void qmeta_range_tpg_impl(const void* x, u32* qmeta, 
         acc.get(vmin, vmax);
         if (bs != nullptr) {
             if (blk < 0 || !(vmin <= vmax)) return;  // no element, or only NaNs
-            const float sc = bs[(r / FORGE_FP8_BLOCK) * bcols + blk];
-            const float a = vmin * sc, b = vmax * sc;
-            mn = fminf(mn, fminf(a, b));
-            mx = fmaxf(mx, fmaxf(a, b));
+            scale_range(vmin, vmax, block_scale(bs, bcols, r, (i64)blk * FORGE_FP8_BLOCK));
+            mn = fminf(mn, vmin);
+            mx = fmaxf(mx, vmax);
         } else {
             mn = fminf(mn, vmin);
             mx = fmaxf(mx, vmax);

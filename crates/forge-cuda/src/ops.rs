@@ -239,25 +239,19 @@ fn range_kernel(a: &QmetaGrid, cc: (i32, i32)) -> RangeKernel {
 pub unsafe fn qmeta_range(a: &QmetaGrid, s: Stream) -> Result<()> {
     a.validate()?;
     let dev = dev_of(s)?;
-    let (f, grid) = match range_kernel(a, dev.cc) {
-        // One thread per group (a warp's 32 groups read together by octets of lanes, or
-        // each group by its thread).
-        RangeKernel::Octets => (
-            dev.function(kname("qmeta_range_oct", a.dtype)?)?,
-            blocks(a.groups()?, 256)?,
+    // Threads per group: one (a warp's 32 groups read together by octets of lanes, or each
+    // group by its thread), or grid.cu's range_lanes: one lane per 8 elements of a group, a
+    // power of two, at most 32.
+    let (name, lanes) = match range_kernel(a, dev.cc) {
+        RangeKernel::Octets => ("qmeta_range_oct", 1),
+        RangeKernel::PerGroup => ("qmeta_range_tpg", 1),
+        RangeKernel::Lanes => (
+            "qmeta_range",
+            a.spec.group_size.div_ceil(8).next_power_of_two().min(32),
         ),
-        RangeKernel::PerGroup => (
-            dev.function(kname("qmeta_range_tpg", a.dtype)?)?,
-            blocks(a.groups()?, 256)?,
-        ),
-        RangeKernel::Lanes => {
-            // grid.cu's range_lanes: one lane per 8 elements of a group, a power of two, at
-            // most 32.
-            let lanes = a.spec.group_size.div_ceil(8).next_power_of_two().min(32);
-            let f = dev.function(kname("qmeta_range", a.dtype)?)?;
-            (f, blocks(a.groups()? * lanes, 256)?)
-        }
     };
+    let f = dev.function(kname(name, a.dtype)?)?;
+    let grid = blocks(a.groups()? * lanes, 256)?;
     let (mut px, mut pq) = (a.x, a.qmeta);
     let (mut r, mut c, mut g) = (
         to_i32("rows", a.rows)?,
