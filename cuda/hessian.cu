@@ -398,13 +398,15 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
         // slower than contiguous ones (ncu, one expert of 27404 rows: 4.31 vs 2.84 ms).
         const int p = tid - 256, lk = p >> 3, lq = p & 7;
         const u32 o = (lk * 64 + ((lq ^ lk) & 7) * 8) * 2;
+        // Segment position of this thread's row q of stage `step`, and the rows' indices in x.
+        auto pos = [&](int step, int q) { return r0 + step * HW_K + lk + 16 * q; };
         auto rows_at = [&](int step, int (&r)[HW_K / 16]) {
             if (idx) {
 #pragma unroll
-                for (int q = 0; q < HW_K / 16; q++) r[q] = __ldg(idx + min(r0 + step * HW_K + lk + 16 * q, r1 - 1));
+                for (int q = 0; q < HW_K / 16; q++) r[q] = __ldg(idx + min(pos(step, q), r1 - 1));
             } else {
 #pragma unroll
-                for (int q = 0; q < HW_K / 16; q++) r[q] = r0 + step * HW_K + lk + 16 * q;
+                for (int q = 0; q < HW_K / 16; q++) r[q] = pos(step, q);
             }
         };
         // Stage `step` from the raw indices r (read two stages before).
@@ -413,7 +415,7 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
             if (step >= HW_ST) mbar_wait(bar + 8 * (HW_ST + s), (step / HW_ST - 1) & 1);
             i64 xo[HW_K / 16];
 #pragma unroll
-            for (int q = 0; q < HW_K / 16; q++) xo[q] = r0 + step * HW_K + lk + 16 * q < r1 ? (i64)r[q] * D : -1;
+            for (int q = 0; q < HW_K / 16; q++) xo[q] = pos(step, q) < r1 ? (i64)r[q] * D : -1;
             const u32 st = sbase + s * HW_STAGE * 2 + o;
 #pragma unroll
             for (int q = 0; q < HW_K / 16; q++) {
