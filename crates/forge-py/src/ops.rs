@@ -905,13 +905,7 @@ pub fn hessian_update<'py>(
             "hessian: must be contiguous (it is updated in place)",
         ));
     }
-    if !alpha.is_finite() {
-        return Err(raise(
-            py,
-            "InvalidValueError",
-            format!("alpha: must be finite, got {alpha}"),
-        ));
-    }
+    require_finite_alpha(py, alpha)?;
     if xt.shape[0] == 0 {
         return Ok(());
     }
@@ -935,6 +929,18 @@ pub fn hessian_update<'py>(
         forge_core::matmul::syrk_update(hv, &xv, t, d, alpha)
     })?
     .map_err(|e| core_err(py, e))
+}
+
+/// The Hessian updates' scale `alpha` must be finite (it multiplies every product into H).
+fn require_finite_alpha(py: Python<'_>, alpha: f32) -> PyResult<()> {
+    if alpha.is_finite() {
+        return Ok(());
+    }
+    Err(raise(
+        py,
+        "InvalidValueError",
+        format!("alpha: must be finite, got {alpha}"),
+    ))
 }
 
 /// The kernel `hessian_update(hessian, x)` runs: `"wgmma"`, `"mma_sync"` or `"simt"` on CUDA
@@ -996,13 +1002,7 @@ pub fn hessian_update_segmented<'py>(
             "hessian: must be contiguous (it is updated in place)",
         ));
     }
-    if !alpha.is_finite() {
-        return Err(raise(
-            py,
-            "InvalidValueError",
-            format!("alpha: must be finite, got {alpha}"),
-        ));
-    }
+    require_finite_alpha(py, alpha)?;
     // Offsets and indices are small: validate them on the host.
     let offs: Vec<i64> = ot.obj.call_method0("tolist")?.extract()?;
     let s_len = it.shape[0] as i64;
@@ -1017,22 +1017,20 @@ pub fn hessian_update_segmented<'py>(
         // No routed rows: nothing to add (an empty idx has no device pointer to launch with).
         return Ok(());
     }
-    {
-        // One pass and one sync for both ends.
-        let torch = py.import("torch")?;
-        let ends = torch.call_method1("aminmax", (&it.obj,))?;
-        let v: Vec<i64> = torch
-            .call_method1("stack", (ends,))?
-            .call_method0("tolist")?
-            .extract()?;
-        let (lo, hi) = (v[0], v[1]);
-        if lo < 0 || hi >= tt as i64 {
-            return Err(raise(
-                py,
-                "InvalidValueError",
-                format!("idx: token indices must be in 0..{tt}, found {lo}..={hi}"),
-            ));
-        }
+    // One pass and one sync for both ends.
+    let torch = py.import("torch")?;
+    let ends = torch.call_method1("aminmax", (&it.obj,))?;
+    let v: Vec<i64> = torch
+        .call_method1("stack", (ends,))?
+        .call_method0("tolist")?
+        .extract()?;
+    let (lo, hi) = (v[0], v[1]);
+    if lo < 0 || hi >= tt as i64 {
+        return Err(raise(
+            py,
+            "InvalidValueError",
+            format!("idx: token indices must be in 0..{tt}, found {lo}..={hi}"),
+        ));
     }
     if h.is_cuda() {
         if check_finite {
