@@ -662,6 +662,236 @@ extern "C" __global__ void __launch_bounds__(128, GEMV_MIN_BLOCKS) w4a16_gemv_bf
 }
 
 // ---------------------------------------------------------------------------------------
+// GEMV path, version 4 (M <= 16, G % 16 == 0): tensor cores with the weights as the A operand
+// (16 outputs × 16 k a MMA) and x as B (8 tokens an n-tile, MT tiles), so one MMA consumes 256
+// weights of a warp, twice what version 1's m16 x tiles give at M <= 8. Thread (g, t) of a
+// warp owns CPT consecutive word columns c_j = c + j and reads, every 16-deep step at k0, its
+// columns' words at k0 + 4t .. 4t + 3 (one 4·CPT-byte load a row; the 8 groups of a warp
+// cover 32·CPT contiguous bytes of a row). MMA k-index 2t, 2t+1, 2t+8, 2t+9 stands for
+// k0 + 4t + 0..3 in both operands: prmt joins the low (high) halves of the words at k0+4t and
+// k0+4t+1 (k0+4t+2, +3), whose nibble i then gives the pair of A fragment a0 / a1 (a2 / a3) of
+// row g (nibble 2p) or g + 8 (nibble 2p + 1) of MMA p of column c_j: that row is output
+// 8·c_j + ORDER[nibble]. B's column g is token 8·mt + g, whose x at k0 + 4t .. + 3 is one
+// 8-byte load. The dequantization is version 1's (magic number, dq2: (q − z)·s rounded once),
+// so both GEMVs compute the same products. A block's 8 warps are WN column slices × WK
+// contiguous K slices (group metadata decoded once per group a warp enters, the next group's
+// raw metadata loaded a group ahead), NS steps of words and x in flight in registers; the WK
+// slices are summed in a fixed order (a halving tree through shared memory). Split-K as the
+// others.
+
+#define GV4_WARPS 8
+#define GV4_NS 4
+
+template <int MT, int CPT> struct Gv4Step {
+    u32 w[4][CPT];
+    u32 xb[MT][2];
+};
+
+template <int MT, int CPT, int WN, bool BF>
+__device__ __forceinline__ void w4a16_gemv4_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
+                                                 const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
+                                                 int M, int N, int K, int G, int k_chunk, int split_out) {
+    constexpr int WK = GV4_WARPS / WN;
+    constexpr int NACC = CPT * 4 * MT * 4;
+    __shared__ float red[(WK > 1 ? WK / 2 : 1) * WN * NACC * 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wn = warp % WN, wk = warp / WN;
+    const int NW = N >> 3;
+    const int c = ((blockIdx.x * WN + wn) * 8 + g) * CPT;  // first word column of this thread
+    const bool col_ok = c < NW;                              // NW % 4 == 0: all CPT in or out
+    // mma.sync needs the whole warp: lanes past N load zeros and write nothing.
+    const bool warp_ok = (blockIdx.x * WN + wn) * 8 * CPT < NW;
+    const int kbeg = blockIdx.z * k_chunk;
+    const int nsteps = (min(K, kbeg + k_chunk) - kbeg) >> 4;
+    const int sb = wk * nsteps / WK, se = (wk + 1) * nsteps / WK;
+    const i64 NW64 = NW;
+    const u32 MAGIC = BF ? 0x43004300u : 0x64006400u;
+
+    float acc[CPT][4][MT][4];
+#pragma unroll
+    for (int j = 0; j < CPT; j++)
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) acc[j][p][mt][q] = 0.0f;
+
+    const u32* wp = qw + (i64)(kbeg + 4 * t) * NW64 + (col_ok ? c : 0);
+    const u16* xp[MT];
+    bool xok[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        xok[mt] = 8 * mt + g < M;
+        xp[mt] = x + (i64)(xok[mt] ? 8 * mt + g : 0) * K + kbeg + 4 * t;
+    }
+    auto load = [&](int s, Gv4Step<MT, CPT>& S) {
+        const u32* p = wp + (i64)(16 * s) * NW64;
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            if (!col_ok) {
+#pragma unroll
+                for (int j = 0; j < CPT; j++) S.w[r][j] = 0;
+            } else if constexpr (CPT == 4) {
+                const uint4 v = __ldg((const uint4*)(p + r * NW64));
+                S.w[r][0] = v.x; S.w[r][1] = v.y; S.w[r][2] = v.z; S.w[r][3] = v.w;
+            } else if constexpr (CPT == 2) {
+                const uint2 v = __ldg((const uint2*)(p + r * NW64));
+                S.w[r][0] = v.x; S.w[r][1] = v.y;
+            } else {
+                S.w[r][0] = __ldg(p + r * NW64);
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            uint2 v;
+            v.x = 0; v.y = 0;
+            if (xok[mt]) v = __ldg((const uint2*)(xp[mt] + 16 * s));
+            S.xb[mt][0] = v.x;
+            S.xb[mt][1] = v.y;
+        }
+    };
+
+    // Group metadata: decoded (zm, s2) of the current group, raw words of the next one.
+    u32 zm[CPT][8], s2[CPT][8];
+    u32 zw[CPT];
+    uint4 sv[CPT];
+    const int ngroups = K / G;
+    auto load_meta = [&](int grp) {
+#pragma unroll
+        for (int j = 0; j < CPT; j++) {
+            zw[j] = 0;
+            sv[j].x = 0; sv[j].y = 0; sv[j].z = 0; sv[j].w = 0;
+            if (col_ok && grp < ngroups) {
+                zw[j] = __ldg(qz + (i64)grp * NW64 + c + j);
+                sv[j] = __ldg((const uint4*)(sc + (i64)grp * N + 8 * (i64)(c + j)));
+            }
+        }
+    };
+    auto decode_meta = [&]() {
+#pragma unroll
+        for (int j = 0; j < CPT; j++) gemv_meta<BF>(zw[j], sv[j], zm[j], s2[j]);
+    };
+    auto compute = [&](const Gv4Step<MT, CPT>& S) {
+#pragma unroll
+        for (int j = 0; j < CPT; j++) {
+            const u32 P[4] = {prmt(S.w[0][j], S.w[1][j], 0x5410), prmt(S.w[0][j], S.w[1][j], 0x7632),
+                              prmt(S.w[2][j], S.w[3][j], 0x5410), prmt(S.w[2][j], S.w[3][j], 0x7632)};
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                u32 a[4];
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int i = 2 * p + h, sh = 4 * (i & 3);
+                    a[h] = dq2<BF>(and_or(P[i >> 2] >> sh, 0x000F000Fu, MAGIC), zm[j][i], s2[j][i]);
+                    a[2 + h] = dq2<BF>(and_or(P[2 + (i >> 2)] >> sh, 0x000F000Fu, MAGIC), zm[j][i], s2[j][i]);
+                }
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) mma16816<BF>(acc[j][p][mt], a, S.xb[mt][0], S.xb[mt][1]);
+            }
+        }
+    };
+
+    if (warp_ok && sb < se) {
+        int grp = (kbeg + 16 * sb) / G;
+        int gend = (grp + 1) * G;
+        load_meta(grp);
+        Gv4Step<MT, CPT> st[GV4_NS];
+#pragma unroll
+        for (int u = 0; u < GV4_NS; u++)
+            if (sb + u < se) load(sb + u, st[u]);
+        decode_meta();
+        load_meta(grp + 1);
+        for (int s = sb; s < se; s += GV4_NS) {
+#pragma unroll
+            for (int u = 0; u < GV4_NS; u++) {
+                const int ss = s + u;
+                if (ss < se) {
+                    if (kbeg + 16 * ss >= gend) {
+                        decode_meta();
+                        grp++;
+                        gend += G;
+                        load_meta(grp + 1);
+                    }
+                    compute(st[u]);
+                    if (ss + GV4_NS < se) load(ss + GV4_NS, st[u]);
+                }
+            }
+        }
+    }
+
+    // Sum the WK slices of each column slice (fixed halving order) through shared memory.
+#pragma unroll
+    for (int half = WK / 2; half >= 1; half /= 2) {
+        if (wk >= half && wk < 2 * half) {
+            float* r = red + ((wk - half) * WN + wn) * NACC * 32 + lane;
+#pragma unroll
+            for (int j = 0; j < CPT; j++)
+#pragma unroll
+                for (int p = 0; p < 4; p++)
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                        for (int q = 0; q < 4; q++) r[(((j * 4 + p) * MT + mt) * 4 + q) * 32] = acc[j][p][mt][q];
+        }
+        __syncthreads();
+        if (wk < half) {
+            const float* r = red + (wk * WN + wn) * NACC * 32 + lane;
+#pragma unroll
+            for (int j = 0; j < CPT; j++)
+#pragma unroll
+                for (int p = 0; p < 4; p++)
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                        for (int q = 0; q < 4; q++)
+                            acc[j][p][mt][q] = acc[j][p][mt][q] + r[(((j * 4 + p) * MT + mt) * 4 + q) * 32];
+        }
+        __syncthreads();
+    }
+    if (wk == 0 && col_ok) {
+#pragma unroll
+        for (int j = 0; j < CPT; j++)
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const int row = 8 * mt + 2 * t + (q & 1);
+                        if (row < M) {
+                            const i64 n = 8 * (i64)(c + j) + awq_col(2 * p + (q >> 1));
+                            const float v = acc[j][p][mt][q];
+                            if (split_out) {
+                                ((float*)out)[((i64)blockIdx.z * M + row) * N + n] = v;
+                            } else {
+                                ((u16*)out)[(i64)row * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                            }
+                        }
+                    }
+    }
+}
+
+#define FORGE_GEMV4_ENTRY(SUF, MT, CPT, WN, BF, MINB)                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * GV4_WARPS, MINB)                                        \
+        w4a16_gemv4_##SUF##_m##MT##_c##CPT##_w##WN(const u16* x, const u32* qw, const u32* qz, const u16* sc, \
+                                                   void* out, int M, int N, int K, int G, int k_chunk,        \
+                                                   int split_out) {                                           \
+        w4a16_gemv4_impl<MT, CPT, WN, BF>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out);               \
+    }
+FORGE_GEMV4_ENTRY(f16, 1, 1, 4, false, 2)
+FORGE_GEMV4_ENTRY(bf16, 1, 1, 4, true, 2)
+FORGE_GEMV4_ENTRY(f16, 1, 1, 8, false, 2)
+FORGE_GEMV4_ENTRY(bf16, 1, 1, 8, true, 2)
+FORGE_GEMV4_ENTRY(f16, 1, 2, 2, false, 2)
+FORGE_GEMV4_ENTRY(bf16, 1, 2, 2, true, 2)
+FORGE_GEMV4_ENTRY(f16, 2, 1, 4, false, 2)
+FORGE_GEMV4_ENTRY(bf16, 2, 1, 4, true, 2)
+FORGE_GEMV4_ENTRY(f16, 2, 1, 8, false, 2)
+FORGE_GEMV4_ENTRY(bf16, 2, 1, 8, true, 2)
+
+// ---------------------------------------------------------------------------------------
 // GEMV path, version 3 (M <= 4, power-of-two G): SIMT, fp32 FMA, zero point folded out of
 // the inner loop. Lane l of a warp owns WPL consecutive word columns (8·WPL outputs) and
 // streams down its warp's contiguous K range with one 4·WPL-byte load per row (a warp reads
