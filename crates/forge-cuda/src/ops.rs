@@ -571,7 +571,7 @@ const GEMV_SMEM: usize = 48 * 1024;
 /// on N=2048; `FORGE_GEMV=1|3` forces one.
 fn simt_gemv(m: usize, n: usize) -> bool {
     match knobs().gemv {
-        Some(1) | Some(4) => false,
+        Some(1) => false,
         Some(3) => true,
         _ => m == 1 && n >= 8192,
     }
@@ -584,7 +584,6 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
-    gemv4_cfg: Option<usize>,
     gemm_mt: Option<usize>,
     gemm_wg: Option<usize>,
     gemm_wg_splits: Option<usize>,
@@ -600,17 +599,13 @@ fn knobs() -> Knobs {
                 .filter(|v| ok.contains(v))
         };
         Knobs {
-            gemv: read("FORGE_GEMV", &[1, 3, 4]),
-            gemv4_cfg: read("FORGE_GEMV4_CFG", &[0, 1, 2]),
+            gemv: read("FORGE_GEMV", &[1, 3]),
             gemm_mt: read("FORGE_GEMM_MT", &[1, 2, 4]),
             gemm_wg: read("FORGE_GEMM_WG", &[0, 1]),
             gemm_wg_splits: read("FORGE_GEMM_WG_SPLITS", &[1, 2, 3, 4, 5, 6, 7, 8]),
         }
     })
 }
-
-/// Warps per block of the version-4 GEMV (cuda/gemm.cu `GV4_WARPS`).
-const GEMV4_WARPS: usize = 8;
 
 /// Largest M the SIMT GEMV (version 3) handles.
 const GEMV3_MAX_M: usize = 4;
@@ -633,9 +628,6 @@ enum GemmKernel {
     Gemv,
     /// `w4a16_gemv3_<dt>_r<rows>`: SIMT GEMV (M <= 4) for `rows` rows.
     Gemv3 { rows: usize },
-    /// `w4a16_gemv4_<dt>_m<mt>_c<cpt>_w<wn>`: tensor-core GEMV with the weights as the A
-    /// operand, `mt` token tiles of 8, `cpt` word columns a thread, `wn` column slices a block.
-    Gemv4 { mt: usize, cpt: usize, wn: usize },
     /// `w4a16_awq_<dt>_m<mt>`: mma.sync tiles of `mt` m16 tiles per block.
     Tiled { mt: usize },
     /// `w4a16_wg_<dt>`: Hopper wgmma (M > 16).
@@ -800,33 +792,6 @@ fn gemm_plan(
             block_n,
         };
     }
-    if m <= 16 && knobs().gemv == Some(4) {
-        let mt = m.div_ceil(8);
-        let (cpt, wn) = match (mt, knobs().gemv4_cfg.unwrap_or(0)) {
-            (1, 0) => (1, 4),
-            (1, 1) => (1, 8),
-            (1, _) => (2, 2),
-            (_, 0) => (1, 4),
-            _ => (1, 8),
-        };
-        let block_n = 64 * cpt * wn;
-        let nblocks = n.div_ceil(block_n);
-        let steps = k / 16;
-        // Every warp of a K slice gets at least 4 steps of 16.
-        let hi = (steps / (4 * GEMV4_WARPS / wn)).max(1);
-        let splits = pick_splits(nblocks, slots, 1, hi);
-        let per = steps.div_ceil(splits).max(1);
-        return GemmPlan {
-            kernel: GemmKernel::Gemv4 { mt, cpt, wn },
-            nblocks,
-            mblocks: 1,
-            splits: steps.div_ceil(per),
-            k_chunk: per * 16,
-            smem: 0,
-            threads: 32 * GEMV4_WARPS,
-            block_n,
-        };
-    }
     if m <= 16 && gemv_ok {
         let nblocks = (n / 8).div_ceil(8);
         // Largest K slice that fits the shared-memory budget, in units of 32.
@@ -887,7 +852,6 @@ fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
     let name = match plan.kernel {
         GemmKernel::Gemv => format!("w4a16_gemv_{suffix}"),
         GemmKernel::Gemv3 { rows } => format!("w4a16_gemv3_{suffix}_r{rows}"),
-        GemmKernel::Gemv4 { mt, cpt, wn } => format!("w4a16_gemv4_{suffix}_m{mt}_c{cpt}_w{wn}"),
         GemmKernel::Tiled { mt } => format!("w4a16_awq_{suffix}_m{mt}"),
         GemmKernel::Wgmma => format!("w4a16_wg_{suffix}"),
     };
