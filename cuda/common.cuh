@@ -313,23 +313,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const void* smem) {
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Thread-block clusters: every thread of every block of the cluster arrives, then waits; the
-// blocks' shared-memory writes before it are visible to the others' reads after it.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// Four floats at shared-window address `saddr` of the cluster's block `rank`.
-__device__ __forceinline__ float4 ld_cluster_f4(u32 saddr, u32 rank) {
-    u32 a;
-    float4 v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(saddr), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(a)
-                 : "memory");
-    return v;
-}
-
 // Hopper wgmma shared-memory matrix descriptor: 128-byte swizzle, 8-row groups 1024 bytes
 // apart (SBO), `lbo` bytes between the two halves of an MN-major operand (unused by K-major).
 __device__ __forceinline__ u64 hw_desc(const void* p, u32 lbo) {

@@ -238,8 +238,7 @@ FORGE_GEMM_ENTRY(bf16, 4, true)
 // dequantization (dq2) is the tiled kernel's. K moves 64 at a time
 // through a WG_ST-stage cp.async pipeline; each 16-deep step is one MMA group, and three stay in
 // flight while the next steps' fragments are dequantized (four register buffers). Needs N % 128 == 0,
-// K % 64 == 0 and G % 64 == 0 (ops.rs routes other shapes to the tiled kernel). K splits are the blocks of a
-// thread-block cluster, summed in the epilogue through distributed shared memory.
+// K % 64 == 0 and G % 64 == 0 (ops.rs routes other shapes to the tiled kernel). Split-K as there.
 #define WG_T 128
 #define WG_BK 64
 #define WG_ST 4
@@ -417,41 +416,20 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
             S[(8 * q + 2 * t + (c & 1)) * WG_EPI_STR + nl] = acc[4 * q + c];
         }
     __syncthreads();
-    // split_out 2: K is split over the blocks of a cluster (blockIdx.z = cluster rank, gridDim.z
-    // = cluster size). Each block sums its share of the tile's rows over every block's staged
-    // tile through distributed shared memory, in rank order (so the sum does not depend on
-    // which block does it), and writes y: no fp32 partials in global memory, no second kernel.
-    const int ranks = split_out == 2 ? gridDim.z : 1;
-    const int rows = (WG_T + ranks - 1) / ranks;
-    const int rb = split_out == 2 ? blockIdx.z * rows : 0, re = min(WG_T, rb + rows);
-    if (split_out == 2) cluster_sync();
-    for (int i = rb * 32 + tid; i < re * 32; i += WG_THREADS) {
+    for (int i = tid; i < WG_T * 32; i += WG_THREADS) {
         const int r = i >> 5, c4 = 4 * (i & 31);
         if (m0 + r >= M) break;
-        float4 v = *(const float4*)&S[r * WG_EPI_STR + c4];
+        const float4 v = *(const float4*)&S[r * WG_EPI_STR + c4];
         const i64 o = (i64)(m0 + r) * N + 8 * wc0 + c4;
-        if (split_out == 1) {
+        if (split_out) {
             *(float4*)((float*)out + (i64)blockIdx.z * M * N + o) = v;
-            continue;
-        }
-        if (split_out == 2) {
-            const u32 sa = smem_u32(&S[r * WG_EPI_STR + c4]);
-            v = ld_cluster_f4(sa, 0);
-            for (int q = 1; q < ranks; q++) {
-                const float4 u = ld_cluster_f4(sa, q);
-                v.x = v.x + u.x;
-                v.y = v.y + u.y;
-                v.z = v.z + u.z;
-                v.w = v.w + u.w;
-            }
-        }
-        u16* y = (u16*)out + o;  // y is only 2-byte aligned
-        const float f[4] = {v.x, v.y, v.z, v.w};
+        } else {
+            u16* y = (u16*)out + o;  // y is only 2-byte aligned
+            const float f[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int e = 0; e < 4; e++) y[e] = BF ? f32_to_bf16_rn(f[e]) : f32_to_f16_rn(f[e]);
+            for (int e = 0; e < 4; e++) y[e] = BF ? f32_to_bf16_rn(f[e]) : f32_to_f16_rn(f[e]);
+        }
     }
-    // No block leaves (its shared memory) while another may still read it.
-    if (split_out == 2) cluster_sync();
 #endif
 }
 

@@ -18,7 +18,7 @@
 //! written concurrently by other work. Output buffers must not alias inputs unless stated.
 
 use crate::error::{CudaError, DrvExt, Result};
-use crate::runtime::{device, launch, launch_cluster, Device, Func};
+use crate::runtime::{device, launch, Device, Func};
 use cudarc::driver::{result as dr, sys};
 use forge_core::grid::{GridSpec, MseSpec};
 use std::collections::HashMap;
@@ -587,7 +587,6 @@ struct Knobs {
     gemm_mt: Option<usize>,
     gemm_wg: Option<usize>,
     gemm_wg_splits: Option<usize>,
-    gemm_wg_solo: Option<usize>,
 }
 
 fn knobs() -> Knobs {
@@ -604,7 +603,6 @@ fn knobs() -> Knobs {
             gemm_mt: read("FORGE_GEMM_MT", &[1, 2, 4]),
             gemm_wg: read("FORGE_GEMM_WG", &[0, 1]),
             gemm_wg_splits: read("FORGE_GEMM_WG_SPLITS", &[1, 2, 3, 4, 5, 6, 7, 8]),
-            gemm_wg_solo: read("FORGE_GEMM_WG_SOLO", &[0, 1]),
         }
     })
 }
@@ -663,18 +661,6 @@ struct GemmPlan {
     block_n: usize,
 }
 
-impl GemmPlan {
-    /// fp32 partial sums of the split-K workspace (1: none): the wgmma kernel sums its K
-    /// splits inside its thread-block cluster, the others write partials for `w4a16_reduce`.
-    fn partials(&self) -> usize {
-        if self.kernel == GemmKernel::Wgmma {
-            1
-        } else {
-            self.splits
-        }
-    }
-}
-
 /// Number of K splits in `lo..=hi` whose grid (`base · s` equal blocks) best fills whole
 /// waves of `slots` resident blocks: the smallest `s` with at least one full wave and a
 /// last wave at least 85 % full, else the best-filled one.
@@ -723,8 +709,6 @@ const WG_MAX_SPLITS: usize = 8;
 /// a 1024-byte boundary (where the 128-byte swizzle repeats). The epilogue's 128 × 132 fp32
 /// tile reuses the first 67.6 KB.
 pub(crate) const W4A16_WG_SMEM: u32 = 1024 + 4 * (128 * 64 * 2 + 64 * 20 * 4 + 80 * 4);
-/// More shared memory than two blocks of an SM can have: one block an SM.
-pub(crate) const W4A16_WG_SOLO_SMEM: u32 = 116 * 1024;
 
 /// K splits of the wgmma kernel for `base` blocks per split on `sms` SMs, `stages` 64-deep
 /// stages and `outputs` = M·N: the split count with the least estimated time. Measured on an
@@ -742,7 +726,7 @@ fn wg_splits(base: usize, sms: usize, stages: usize, outputs: usize) -> usize {
             0.48 * per_sm as f64 * per
         };
         if s > 1 {
-            us += 0.5 + 0.1 * s as f64 + (outputs * 4) as f64 / 3.0e6;
+            us += ((2 * s + 1) * outputs * 4) as f64 / 3.0e6 + 2.0;
         }
         us
     };
@@ -941,7 +925,7 @@ fn plan_for(
     static PLANS: PlanCache<(usize, DType, usize, usize, usize, usize), GemmPlan> = OnceLock::new();
     cached_plan(&PLANS, (dev.ordinal, act, m, n, k, group_size), || {
         let (plan, f) = plan_uncached(dev, act, m, n, k, group_size)?;
-        Ok((plan, f, reduce_kernel(dev, act, plan.partials())?))
+        Ok((plan, f, reduce_kernel(dev, act, plan.splits)?))
     })
 }
 
@@ -977,7 +961,7 @@ pub fn w4a16_workspace_bytes(
 ) -> Result<usize> {
     let dev = device(device_ordinal)?;
     split_workspace_bytes(m * n, |act| {
-        Ok(plan_for(dev, act, m, n, k, group_size)?.0.partials())
+        Ok(plan_for(dev, act, m, n, k, group_size)?.0.splits)
     })
 }
 
@@ -1090,30 +1074,6 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
         k_chunk as i32,
     );
     let (mut px, mut pqw, mut pqz, mut psc) = (a.x, a.qweight, a.qzeros, a.scales);
-    if splits > 1 && plan.partials() == 1 {
-        // The wgmma kernel: one cluster of `splits` blocks per output tile (split_out 2).
-        let (mut out, mut split_out) = (a.y, 2i32);
-        let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
-        let cluster = (1, 1, splits as u32);
-        let smem = if knobs().gemm_wg_solo == Some(1) {
-            W4A16_WG_SOLO_SMEM
-        } else {
-            smem
-        };
-        // SAFETY: parameter list matches w4a16_wg_<dt>; grid.z == cluster.z == splits.
-        return unsafe {
-            launch_cluster(
-                dev,
-                f,
-                grid,
-                (threads, 1, 1),
-                smem,
-                s.handle,
-                cluster,
-                &mut p,
-            )
-        };
-    }
     if splits == 1 {
         let (mut out, mut split_out) = (a.y, 0i32);
         let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);

@@ -257,56 +257,6 @@ pub(crate) unsafe fn launch(
         .drv("cuLaunchKernel")
 }
 
-/// [`launch`] with the blocks grouped into thread-block clusters of `cluster` blocks (each grid
-/// extent a multiple of the cluster's), so that a cluster's blocks run at the same time and
-/// read each other's shared memory (sm_90+).
-///
-/// # Safety
-/// As [`launch`].
-pub(crate) unsafe fn launch_cluster(
-    dev: &Device,
-    f: Func,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    smem: u32,
-    stream: u64,
-    cluster: (u32, u32, u32),
-    params: &mut [*mut c_void],
-) -> Result<()> {
-    dev.bind()?;
-    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-        return Ok(());
-    }
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-        pad: [0; 4],
-        // SAFETY: a plain-data union, all zeros is a valid value of every member.
-        value: unsafe { std::mem::zeroed() },
-    };
-    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-        x: cluster.0,
-        y: cluster.1,
-        z: cluster.2,
-    };
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: grid.2,
-        blockDimX: block.0,
-        blockDimY: block.1,
-        blockDimZ: block.2,
-        sharedMemBytes: smem,
-        hStream: stream as sys::CUstream,
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    // SAFETY: config and attr outlive the call; the parameters are upheld by the caller.
-    unsafe {
-        sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()).result()
-    }
-    .drv("cuLaunchKernelEx")
-}
-
 // ---------------------------------------------------------------------------------------
 // NVRTC
 
