@@ -648,7 +648,7 @@ __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const
 
 // G is passed as its log2 (the GEMV path needs a power-of-two group size).
 #ifndef GEMV_MIN_BLOCKS
-#define GEMV_MIN_BLOCKS 1
+#define GEMV_MIN_BLOCKS 4
 #endif
 extern "C" __global__ void __launch_bounds__(128, GEMV_MIN_BLOCKS) w4a16_gemv_f16(const u16* x, const u32* qw, const u32* qz,
                                                                  const u16* sc, void* out, int M, int N, int K,
