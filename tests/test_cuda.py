@@ -140,7 +140,7 @@ def test_pack_codes_bit_exact():
 
 
 @pytest.mark.parametrize("act", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 16, 33, 128, 300])
+@pytest.mark.parametrize("m", [1, 3, 9, 16, 33, 128, 300])
 @pytest.mark.parametrize("k,n,group", [(1024, 256, 128), (2048, 512, 64), (768, 1024, 32), (7168, 384, 128)])
 def test_awq_matmul_close_to_reference(act, m, k, n, group):
     g = torch.Generator().manual_seed(3)

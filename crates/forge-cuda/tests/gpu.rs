@@ -459,7 +459,7 @@ fn w4a16_gemm_matches_cpu() {
     assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
     let mut seed = 31;
     for act in [DType::F16, DType::Bf16] {
-        for m in [1usize, 2, 3, 4, 16, 17, 40, 128, 200] {
+        for m in [1usize, 2, 3, 4, 8, 13, 16, 17, 40, 128, 200] {
             for (k, n, g) in [
                 (512usize, 256usize, 128usize),
                 (256, 96, 32),
