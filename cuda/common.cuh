@@ -282,6 +282,21 @@ __device__ __forceinline__ void fma_outer4x4(float (&acc)[4][4], const float (&a
 }
 
 // ---- misc ------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90+; no-ops before). A kernel launched after this one with
+// programmatic stream serialization (ops.rs: the split-K reduction) may be scheduled once
+// every block of this grid has called pdl_launch_dependents, so its launch overlaps this
+// grid's tail; its pdl_wait returns when this grid has finished and its writes are visible.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));

@@ -74,6 +74,7 @@ template <int MT, bool BF>
 __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
                                                const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
                                                int M, int N, int K, int G, int k_chunk, int split_out) {
+    pdl_launch_dependents();  // the split-K reduction's launch may overlap this grid's tail
     constexpr int BM = 16 * MT;
     constexpr int ST = GemmStages<MT>::value;
     __shared__ __align__(16) u32 Bs[ST][GM_BK * GM_BSTRIDE];
@@ -274,6 +275,7 @@ template <bool BF>
 __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
                                               const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
                                               int M, int N, int K, int G, int k_chunk, int split_out) {
+    pdl_launch_dependents();  // the split-K reduction's launch may overlap this grid's tail
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(16) u8 wg_smem[];
     // x stages first, each on a 1024-byte boundary (where the swizzle pattern repeats).
@@ -447,6 +449,7 @@ FORGE_GEMM_WG_ENTRY(bf16, true)
 // the loads dominate: a small MN split many ways wants more threads), else one.
 template <bool BF>
 __device__ __forceinline__ void w4a16_reduce_impl(const float* ws, u16* y, int splits, i64 mn, int vec) {
+    pdl_wait();  // the partials' grid has finished (launched with programmatic serialization)
     const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (vec) {
         const i64 i = 4 * tid;
@@ -535,6 +538,7 @@ template <bool BF>
 __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
                                                 const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
                                                 int M, int N, int K, int gshift, int k_chunk, int split_out) {
+    pdl_launch_dependents();  // the split-K reduction's launch may overlap this grid's tail
     extern __shared__ __align__(16) u16 xs[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tig = lane & 3;
@@ -855,6 +859,7 @@ __device__ __forceinline__ void w4a16_gemv3_impl(const u16* __restrict__ x, cons
                                                  const u16* __restrict__ sc, i64 ew, i64 ez, i64 es, int E,
                                                  void* out, int M, int N, int K, int gshift, int k_chunk,
                                                  int split_out) {
+    pdl_launch_dependents();  // the split-K reduction's launch may overlap this grid's tail
     __shared__ float red[(GV3_WARPS - 1) * MR * 8 * WPL * 32];
     Gv3Rows<MR> rows;
     int m = M;

@@ -18,7 +18,7 @@
 //! written concurrently by other work. Output buffers must not alias inputs unless stated.
 
 use crate::error::{CudaError, DrvExt, Result};
-use crate::runtime::{device, launch, Device, Func};
+use crate::runtime::{device, launch, launch_programmatic, Device, Func};
 use cudarc::driver::{result as dr, sys};
 use forge_core::grid::{GridSpec, MseSpec};
 use std::collections::HashMap;
@@ -1428,17 +1428,16 @@ unsafe fn split_k(
         let threads = if vec { mn / 4 } else { mn };
         let (mut pws, mut py, mut sp, mut n, mut v) = (ws, y, splits as i32, mn as i64, vec as i32);
         let mut p = args!(pws, py, sp, n, v);
-        // SAFETY: ws holds splits·mn floats, y mn outputs.
+        let grid = (blocks(threads, 256)?, 1, 1);
+        // On Hopper the reduction is launched programmatically: it is scheduled while the
+        // partials' last blocks still run and waits for them in the kernel (`pdl_wait`).
+        // SAFETY: ws holds splits·mn floats, y mn outputs; w4a16_reduce_* calls pdl_wait first.
         unsafe {
-            launch(
-                dev,
-                fr,
-                (blocks(threads, 256)?, 1, 1),
-                (256, 1, 1),
-                0,
-                s.handle,
-                &mut p,
-            )
+            if dev.cc >= (9, 0) {
+                launch_programmatic(dev, fr, grid, (256, 1, 1), 0, s.handle, &mut p)
+            } else {
+                launch(dev, fr, grid, (256, 1, 1), 0, s.handle, &mut p)
+            }
         }
     })();
     if owned {

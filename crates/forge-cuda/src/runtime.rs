@@ -257,6 +257,53 @@ pub(crate) unsafe fn launch(
         .drv("cuLaunchKernel")
 }
 
+/// [`launch`] with programmatic stream serialization (sm_90+): the kernel may be scheduled
+/// before the previous kernel on `stream` has finished, once every block of that kernel has
+/// executed `griddepcontrol.launch_dependents` (common.cuh `pdl_launch_dependents`), and it
+/// must itself wait for that kernel with `griddepcontrol.wait` (`pdl_wait`) before reading its
+/// results. Its launch latency then overlaps the previous kernel's tail.
+///
+/// # Safety
+/// As [`launch`]; and `f` calls `pdl_wait` before it touches memory the previous kernel writes.
+pub(crate) unsafe fn launch_programmatic(
+    dev: &Device,
+    f: Func,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    smem: u32,
+    stream: u64,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    dev.bind()?;
+    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+        return Ok(());
+    }
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        // SAFETY: a plain-data union, all zeros is a valid value of every member.
+        value: unsafe { std::mem::zeroed() },
+    };
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: smem,
+        hStream: stream as sys::CUstream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: config and attr outlive the call; the parameters are upheld by the caller.
+    unsafe {
+        sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()).result()
+    }
+    .drv("cuLaunchKernelEx")
+}
+
 // ---------------------------------------------------------------------------------------
 // NVRTC
 
