@@ -550,17 +550,6 @@ __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const
     const int klen = kend - kbeg;
     const int XS = k_chunk + 8;
 
-    // x slice -> shared memory; row M is zeros.
-    const int cpr = klen >> 3;  // 16-byte chunks per row
-    for (int i = tid; i < (M + 1) * cpr; i += 128) {
-        int r = i / cpr, cc = i - r * cpr;
-        uint4 v;
-        v.x = 0; v.y = 0; v.z = 0; v.w = 0;
-        if (r < M) v = *(const uint4*)(x + (i64)r * K + kbeg + 8 * cc);
-        *(uint4*)&xs[r * XS + 8 * cc] = v;
-    }
-    __syncthreads();
-
     float acc[8][4];
 #pragma unroll
     for (int b = 0; b < 8; b++)
@@ -606,6 +595,19 @@ __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const
     int b = warp;
     if (b < nb) load(b, B0);
     if (b + 4 < nb) load(b + 4, B1);
+
+    // x slice -> shared memory (row M is zeros), while the first weight batches are in flight:
+    // a short block (small shapes split K finely) otherwise waits for two round trips.
+    const int cpr = klen >> 3;  // 16-byte chunks per row
+    for (int i = tid; i < (M + 1) * cpr; i += 128) {
+        int r = i / cpr, cc = i - r * cpr;
+        uint4 v;
+        v.x = 0; v.y = 0; v.z = 0; v.w = 0;
+        if (r < M) v = *(const uint4*)(x + (i64)r * K + kbeg + 8 * cc);
+        *(uint4*)&xs[r * XS + 8 * cc] = v;
+    }
+    __syncthreads();
+
     for (; b < nb; b += 12) {
         if (b + 8 < nb) load(b + 8, B2);
         compute(b, B0);
