@@ -1434,7 +1434,7 @@ unsafe fn split_k(
         // SAFETY: ws holds splits·mn floats, y mn outputs; w4a16_reduce_* calls pdl_wait first.
         unsafe {
             if dev.cc >= (9, 0) {
-                launch_programmatic(dev, fr, grid, (256, 1, 1), 0, s.handle, &mut p)
+                launch_programmatic(dev, fr, (grid, (256, 1, 1), 0), s.handle, &mut p)
             } else {
                 launch(dev, fr, grid, (256, 1, 1), 0, s.handle, &mut p)
             }

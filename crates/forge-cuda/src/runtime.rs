@@ -257,6 +257,9 @@ pub(crate) unsafe fn launch(
         .drv("cuLaunchKernel")
 }
 
+/// Grid, block and dynamic shared memory (bytes) of a launch.
+pub(crate) type LaunchDims = ((u32, u32, u32), (u32, u32, u32), u32);
+
 /// [`launch`] with programmatic stream serialization (sm_90+): the kernel may be scheduled
 /// before the previous kernel on `stream` has finished, once every block of that kernel has
 /// executed `griddepcontrol.launch_dependents` (common.cuh `pdl_launch_dependents`), and it
@@ -268,14 +271,12 @@ pub(crate) unsafe fn launch(
 pub(crate) unsafe fn launch_programmatic(
     dev: &Device,
     f: Func,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    smem: u32,
+    (grid, block, smem): LaunchDims,
     stream: u64,
     params: &mut [*mut c_void],
 ) -> Result<()> {
     dev.bind()?;
-    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+    if [grid.0, grid.1, grid.2].contains(&0) {
         return Ok(());
     }
     let mut attr = sys::CUlaunchAttribute {
