@@ -1428,17 +1428,11 @@ unsafe fn split_k(
         let threads = if vec { mn / 4 } else { mn };
         let (mut pws, mut py, mut sp, mut n, mut v) = (ws, y, splits as i32, mn as i64, vec as i32);
         let mut p = args!(pws, py, sp, n, v);
-        let grid = (blocks(threads, 256)?, 1, 1);
-        // On Hopper the reduction is launched programmatically: it is scheduled while the
-        // partials' last blocks still run and waits for them in the kernel (`pdl_wait`).
+        let dims = ((blocks(threads, 256)?, 1, 1), (256, 1, 1), 0);
+        // Launched programmatically (Hopper): scheduled while the partials' last blocks still
+        // run, it waits for them in the kernel (`pdl_wait`).
         // SAFETY: ws holds splits·mn floats, y mn outputs; w4a16_reduce_* calls pdl_wait first.
-        unsafe {
-            if dev.cc >= (9, 0) {
-                launch_programmatic(dev, fr, (grid, (256, 1, 1), 0), s.handle, &mut p)
-            } else {
-                launch(dev, fr, grid, (256, 1, 1), 0, s.handle, &mut p)
-            }
-        }
+        unsafe { launch_programmatic(dev, fr, dims, s.handle, &mut p) }
     })();
     if owned {
         // SAFETY: allocated above on this stream.

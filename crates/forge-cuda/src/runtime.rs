@@ -248,13 +248,18 @@ pub(crate) unsafe fn launch(
     stream: u64,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    dev.bind()?;
-    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+    if !launchable(dev, grid)? {
         return Ok(());
     }
     // SAFETY: upheld by the caller.
     unsafe { dr::launch_kernel(f.0, grid, block, smem, stream as sys::CUstream, params) }
         .drv("cuLaunchKernel")
+}
+
+/// Binds `dev`'s context; false when the grid is empty (nothing to launch).
+fn launchable(dev: &Device, grid: (u32, u32, u32)) -> Result<bool> {
+    dev.bind()?;
+    Ok(![grid.0, grid.1, grid.2].contains(&0))
 }
 
 /// Grid, block and dynamic shared memory (bytes) of a launch.
@@ -264,7 +269,8 @@ pub(crate) type LaunchDims = ((u32, u32, u32), (u32, u32, u32), u32);
 /// before the previous kernel on `stream` has finished, once every block of that kernel has
 /// executed `griddepcontrol.launch_dependents` (common.cuh `pdl_launch_dependents`), and it
 /// must itself wait for that kernel with `griddepcontrol.wait` (`pdl_wait`) before reading its
-/// results. Its launch latency then overlaps the previous kernel's tail.
+/// results. Its launch latency then overlaps the previous kernel's tail. Before sm_90 (no
+/// programmatic serialization; `pdl_wait` compiles to nothing) it is a plain [`launch`].
 ///
 /// # Safety
 /// As [`launch`]; and `f` calls `pdl_wait` before it touches memory the previous kernel writes.
@@ -275,8 +281,11 @@ pub(crate) unsafe fn launch_programmatic(
     stream: u64,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    dev.bind()?;
-    if [grid.0, grid.1, grid.2].contains(&0) {
+    if dev.cc < (9, 0) {
+        // SAFETY: as the caller's.
+        return unsafe { launch(dev, f, grid, block, smem, stream, params) };
+    }
+    if !launchable(dev, grid)? {
         return Ok(());
     }
     let mut attr = sys::CUlaunchAttribute {
