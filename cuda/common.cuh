@@ -311,9 +311,6 @@ __device__ __forceinline__ void cp_async16_s(u32 saddr, const void* gmem, int sr
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
     cp_async16_s(smem_u32(smem), gmem, src_bytes);
 }
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 

@@ -480,45 +480,59 @@ extern "C" __global__ void w4a16_reduce_bf16(const float* ws, u16* y, int splits
 }
 
 // ---------------------------------------------------------------------------------------
-// GEMV-style path for M <= 16: tensor cores with the zero point and scale folded out of the
-// inner loop, no shared-memory staging of the weights. Each warp streams its B fragments
-// straight from global memory (batches of 32 k, three in flight in registers); a fragment is
-// the raw biased nibbles, bias + q (0x4300|q = 128 + q in bf16, 0x6400|q = 1024 + q in fp16,
-// both exact), so one mma per n-tile and 16 k needs no per-weight dequantisation. One more
-// mma against an all-ones B gives X = Σ x over the same k, and per group each accumulator is
-// folded once:
-//   Σ (q − z)·s·x = s·(A − (bias + z)·X),   A = Σ (bias + q)·x   (fp32, as the SIMT v3).
-// The fold is linear, so a group cut between warps or K splits is simply folded in parts.
-// The block's slice of x sits in shared memory (rows >= M alias a zero row for ldmatrix)
-// beside its groups' metadata decoded once per block: (s, bias + z) as floats for each
-// group, nibble and word column, with s = bf16(scale) for bf16 activations (the contract of
-// the other paths). The 4 warps of a block take contiguous quarters of the block's K range
-// and are summed in a fixed order at the end. Block = 8 word columns (64 outputs).
+// GEMV-style path for M <= 16: no shared-memory staging of the weights. Each warp streams
+// its B fragments straight from global memory (one batch of 32 k ahead in registers), the
+// block's slice of x sits in shared memory (rows >= M alias a zero row for ldmatrix), the
+// 4 warps of a block split the block's K range (interleaved batches of 32 k) and their
+// accumulators are summed in a fixed order at the end. Block = 8 word columns (64 outputs).
 
 template <bool BF>
-__device__ __forceinline__ void gemv_step(float acc[8][4], float accx[4], const u16* arow, u32 w0, u32 w1, u32 w2,
-                                          u32 w3) {
+__device__ __forceinline__ void gemv_meta(u32 zw, uint4 sv, u32 zm[8], u32 s2[8]) {
+    const u32 h[8] = {sv.x & 0xFFFF, sv.x >> 16, sv.y & 0xFFFF, sv.y >> 16,
+                      sv.z & 0xFFFF, sv.z >> 16, sv.w & 0xFFFF, sv.w >> 16};
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        u32 z = (zw >> (4 * i)) & 15u;
+        u32 hs = h[awq_col(i)];
+        if (BF) {
+            u32 nz = 0xC300u | z;
+            zm[i] = nz | (nz << 16);
+            u32 b = f32_to_bf16_rn(f16_to_f32((u16)hs));
+            s2[i] = b | (b << 16);
+        } else {
+            u32 mz = 0x6400u | z;
+            zm[i] = mz | (mz << 16);
+            s2[i] = hs | (hs << 16);
+        }
+    }
+}
+
+template <bool BF>
+__device__ __forceinline__ void gemv_step(float acc[8][4], const u16* arow, u32 w0, u32 w1, u32 w2, u32 w3,
+                                          const u32 zm[8], const u32 s2[8]) {
     u32 a[4];
     ldmatrix_x4(a, arow);
     const u32 tl0 = prmt(w0, w1, 0x5410), th0 = prmt(w0, w1, 0x7632);
     const u32 tl1 = prmt(w2, w3, 0x5410), th1 = prmt(w2, w3, 0x7632);
     const u32 MAGIC = BF ? 0x43004300u : 0x64006400u;
-    const u32 ONES = BF ? 0x3F803F80u : 0x3C003C00u;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const u32 src0 = i < 4 ? tl0 : th0;
         const u32 src1 = i < 4 ? tl1 : th1;
         const int sh = 4 * (i & 3);
-        mma16816<BF>(acc[i], a, and_or(src0 >> sh, 0x000F000Fu, MAGIC), and_or(src1 >> sh, 0x000F000Fu, MAGIC));
+        u32 b0 = and_or(src0 >> sh, 0x000F000Fu, MAGIC);
+        u32 b1 = and_or(src1 >> sh, 0x000F000Fu, MAGIC);
+        b0 = dq2<BF>(b0, zm[i], s2[i]);
+        b1 = dq2<BF>(b1, zm[i], s2[i]);
+        mma16816<BF>(acc[i], a, b0, b1);
     }
-    mma16816<BF>(accx, a, ONES, ONES);
 }
 
-// How the 4 warps of a GEMV block share its K slice: 0 = contiguous quarters, 1 = whole groups
-// round robin.
-#ifndef GEMV_GROUP_SPLIT
-#define GEMV_GROUP_SPLIT 0
-#endif
+struct GemvBatch {
+    u32 w[8];
+    u32 zw;
+    uint4 sv;
+};
 
 template <bool BF>
 __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
@@ -529,139 +543,80 @@ __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const int NW = N >> 3;
-    const int c0 = blockIdx.x * 8;
-    const int c = c0 + g;
+    const int c = blockIdx.x * 8 + g;
     const bool col_ok = c < NW;
     const int kbeg = blockIdx.z * k_chunk;
     const int kend = min(K, kbeg + k_chunk);
     const int klen = kend - kbeg;
     const int XS = k_chunk + 8;
-    // After the x slice, per group of the slice (k_chunk is a multiple of G): its raw
-    // metadata (8 zero words, then the 64 f16 scales of the block's columns: 40 words), then
-    // decoded float4 (s, bias+z of word column 2p, the same of 2p+1) at [group][nibble][p].
-    const int xwords = ((M + 1) * XS + 7) & ~7;
-    const int gfirst = kbeg >> gshift;
-    const int ngroups = (klen + (1 << gshift) - 1) >> gshift;
-    u32* raw = (u32*)(xs + xwords);
-    float4* meta = (float4*)(raw + 40 * ngroups);
+
+    float acc[8][4];
+#pragma unroll
+    for (int b = 0; b < 8; b++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[b][q] = 0.0f;
 
     const int arow_r = (lane & 15) < M ? (lane & 15) : M;
     const u16* arow = xs + arow_r * XS + (lane >> 4) * 8;
     const u32* qcol = qw + c;
+
     const i64 NW64 = NW;
-
-    // This warp's batches of 32 k: batch(i) for i < nbw.
-    const int nb = klen >> 5;
-#if GEMV_GROUP_SPLIT
-    // whole groups w, w + 4, ... of the slice
-    const int bshift = gshift - 5;
-    const int nbw = warp < ngroups ? (((ngroups - 1 - warp) >> 2) + 1) << bshift : 0;
-    auto batch = [&](int i) { return ((((i >> bshift) << 2) + warp) << bshift) + (i & ((1 << bshift) - 1)); };
-#else
-    // a contiguous quarter of the slice
-    const int bw0 = (warp * nb) >> 2;
-    const int nbw = (((warp + 1) * nb) >> 2) - bw0;
-    auto batch = [&](int i) { return bw0 + i; };
-#endif
-
-    auto load = [&](int i, u32 (&w)[8]) {
+    auto load = [&](int b, GemvBatch& B) {
+        const int k0 = kbeg + 32 * b;
         if (col_ok) {
-            const u32* p = qcol + (i64)(kbeg + 32 * batch(i) + 2 * tig) * NW64;
-            w[0] = __ldg(p);
-            w[1] = __ldg(p + NW64);
-            w[2] = __ldg(p + 8 * NW64);
-            w[3] = __ldg(p + 9 * NW64);
-            w[4] = __ldg(p + 16 * NW64);
-            w[5] = __ldg(p + 17 * NW64);
-            w[6] = __ldg(p + 24 * NW64);
-            w[7] = __ldg(p + 25 * NW64);
+            const u32* p = qcol + (i64)(k0 + 2 * tig) * NW64;
+            B.w[0] = __ldg(p);
+            B.w[1] = __ldg(p + NW64);
+            B.w[2] = __ldg(p + 8 * NW64);
+            B.w[3] = __ldg(p + 9 * NW64);
+            B.w[4] = __ldg(p + 16 * NW64);
+            B.w[5] = __ldg(p + 17 * NW64);
+            B.w[6] = __ldg(p + 24 * NW64);
+            B.w[7] = __ldg(p + 25 * NW64);
+            const int grp = k0 >> gshift;
+            B.zw = __ldg(qz + (i64)grp * NW64 + c);
+            B.sv = __ldg((const uint4*)(sc + (i64)grp * N + 8 * (i64)c));
         } else {
 #pragma unroll
-            for (int j = 0; j < 8; j++) w[j] = 0;
+            for (int j = 0; j < 8; j++) B.w[j] = 0;
+            B.zw = 0;
+            B.sv.x = 0; B.sv.y = 0; B.sv.z = 0; B.sv.w = 0;
         }
     };
-    u32 B0[8], B1[8], B2[8];
-    if (0 < nbw) load(0, B0);
-    if (1 < nbw) load(1, B1);
+    auto compute = [&](int b, const GemvBatch& B) {
+        u32 zm[8], s2[8];
+        gemv_meta<BF>(B.zw, B.sv, zm, s2);
+        gemv_step<BF>(acc, arow + 32 * b, B.w[0], B.w[1], B.w[2], B.w[3], zm, s2);
+        gemv_step<BF>(acc, arow + 32 * b + 16, B.w[4], B.w[5], B.w[6], B.w[7], zm, s2);
+    };
 
-    // x slice (row M zeros) and the groups' raw metadata -> shared memory, all copies in
-    // flight at once (beside the first weight batches), then the metadata decoded once.
+    const int nb = klen >> 5;
+    GemvBatch B0, B1, B2;
+    int b = warp;
+    if (b < nb) load(b, B0);
+    if (b + 4 < nb) load(b + 4, B1);
+
+    // x slice -> shared memory (row M is zeros), while the first weight batches are in flight:
+    // a short block (small shapes split K finely) otherwise waits for two round trips.
     const int cpr = klen >> 3;  // 16-byte chunks per row
     for (int i = tid; i < (M + 1) * cpr; i += 128) {
-        const int r = i / cpr, cc = i - r * cpr;
-        u16* d = &xs[r * XS + 8 * cc];
-        if (r < M) {
-            cp_async16(d, x + (i64)r * K + kbeg + 8 * cc, 16);
-        } else {
-            uint4 v;
-            v.x = 0; v.y = 0; v.z = 0; v.w = 0;
-            *(uint4*)d = v;
-        }
-    }
-    for (int i = tid; i < ngroups * 16; i += 128) {
-        const int j = i >> 4, t = i & 7, grp = gfirst + j;
-        const bool ok = c0 + t < NW;
-        if (i & 8) {
-            cp_async4(raw + 40 * j + t, ok ? qz + (i64)grp * NW64 + c0 + t : qz, ok ? 4 : 0);
-        } else {
-            cp_async16(raw + 40 * j + 8 + 4 * t, ok ? sc + (i64)grp * N + 8 * (i64)(c0 + t) : sc, ok ? 16 : 0);
-        }
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    for (int e = tid; e < ngroups * 64; e += 128) {
-        const int j = e >> 6, wc = (e >> 3) & 7, o = e & 7;  // output 8·(c0 + wc) + o of group j
-        const int nib = awq_nibble(o);
-        const u32 z = (raw[40 * j + wc] >> (4 * nib)) & 15u;
-        float s = f16_to_f32(((const u16*)(raw + 40 * j + 8))[8 * wc + o]);  // 0 past N
-        if (BF) s = bf16_to_f32(f32_to_bf16_rn(s));
-        float* m = (float*)meta + 2 * (((j * 8 + nib) * 4 + (wc >> 1)) * 2 + (wc & 1));
-        m[0] = s;
-        m[1] = (float)((BF ? 128u : 1024u) + z);
+        int r = i / cpr, cc = i - r * cpr;
+        uint4 v;
+        v.x = 0; v.y = 0; v.z = 0; v.w = 0;
+        if (r < M) v = *(const uint4*)(x + (i64)r * K + kbeg + 8 * cc);
+        *(uint4*)&xs[r * XS + 8 * cc] = v;
     }
     __syncthreads();
 
-    float acc[8][4], ga[8][4], gx[4];
-#pragma unroll
-    for (int i = 0; i < 8; i++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) { acc[i][q] = 0.0f; ga[i][q] = 0.0f; }
-#pragma unroll
-    for (int q = 0; q < 4; q++) gx[q] = 0.0f;
-
-    // This warp's batch i: two k16 steps; at the end of a group (or of the warp's share)
-    // fold it.
-    auto step = [&](int i, const u32 (&w)[8]) {
-        const int b = batch(i);
-        gemv_step<BF>(ga, gx, arow + 32 * b, w[0], w[1], w[2], w[3]);
-        gemv_step<BF>(ga, gx, arow + 32 * b + 16, w[4], w[5], w[6], w[7]);
-        if ((((b + 1) << 5) & ((1 << gshift) - 1)) == 0 || i + 1 == nbw) {
-            const float4* mg = meta + (((b << 5) >> gshift) * 8) * 4 + tig;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const float4 mm = mg[4 * i];
-                acc[i][0] = fmaf(mm.x, fmaf(-mm.y, gx[0], ga[i][0]), acc[i][0]);
-                acc[i][1] = fmaf(mm.z, fmaf(-mm.w, gx[1], ga[i][1]), acc[i][1]);
-                acc[i][2] = fmaf(mm.x, fmaf(-mm.y, gx[2], ga[i][2]), acc[i][2]);
-                acc[i][3] = fmaf(mm.z, fmaf(-mm.w, gx[3], ga[i][3]), acc[i][3]);
-#pragma unroll
-                for (int q = 0; q < 4; q++) ga[i][q] = 0.0f;
-            }
-#pragma unroll
-            for (int q = 0; q < 4; q++) gx[q] = 0.0f;
-        }
-    };
-
-    for (int i = 0; i < nbw; i += 3) {
-        if (i + 2 < nbw) load(i + 2, B2);
-        step(i, B0);
-        if (i + 1 >= nbw) break;
-        if (i + 3 < nbw) load(i + 3, B0);
-        step(i + 1, B1);
-        if (i + 2 >= nbw) break;
-        if (i + 4 < nbw) load(i + 4, B1);
-        step(i + 2, B2);
+    for (; b < nb; b += 12) {
+        if (b + 8 < nb) load(b + 8, B2);
+        compute(b, B0);
+        if (b + 4 >= nb) break;
+        if (b + 12 < nb) load(b + 12, B0);
+        compute(b + 4, B1);
+        if (b + 8 >= nb) break;
+        if (b + 16 < nb) load(b + 16, B1);
+        compute(b + 8, B2);
     }
 
     // Sum the 4 warps' accumulators (fixed order) through shared memory.
@@ -683,7 +638,7 @@ __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const
 #pragma unroll
                 for (int w = 0; w < 3; w++) v = v + red[(w * 32 + (i * 4 + q)) * 32 + lane];
                 const int r = g + ((q & 2) ? 8 : 0);
-                const int wc = c0 + 2 * tig + (q & 1);
+                const int wc = blockIdx.x * 8 + 2 * tig + (q & 1);
                 if (r < M && wc < NW) {
                     const i64 n = 8 * (i64)wc + awq_col(i);
                     if (split_out) {

@@ -561,12 +561,8 @@ pub unsafe fn gptq_pack_codes(
 
 const GEMM_BN: usize = 256;
 const GEMM_BK: usize = 32;
-/// Most shared memory the GEMV path stages per block: its slice of x and the decoded group
-/// metadata (bytes).
+/// Largest shared-memory slice of x the GEMV path stages per block (bytes).
 const GEMV_SMEM: usize = 48 * 1024;
-/// Metadata a GEMV block stages per group (cuda/gemm.cu): 8 zero words and 64 f16 scales raw
-/// (160 bytes), then (scale, bias + zero) as floats for its 64 outputs (512 bytes).
-const GEMV_META_BYTES: usize = 160 + 512;
 
 /// Whether an M <= GEMV3_MAX_M product runs the SIMT GEMV (version 3: zero point folded out of
 /// the inner loop) rather than the tensor-core GEMV (version 1: weights prefetched into
@@ -751,12 +747,10 @@ fn gemm_plan(
     m: usize,
     n: usize,
     k: usize,
-    group_size: usize,
+    gemv_ok: bool,
     wg_sms: Option<usize>,
 ) -> GemmPlan {
     let tiles = k / GEMM_BK;
-    // The GEMV paths take the group size as its log2.
-    let gemv_ok = group_size.is_power_of_two();
     let wg_min = match knobs().gemm_wg {
         Some(0) => usize::MAX,
         Some(_) => GEMV3_MAX_M + 1,
@@ -798,27 +792,19 @@ fn gemm_plan(
             block_n,
         };
     }
-    // Shared memory of a GEMV K slice of `kc` (a multiple of the group size): its x rows (and
-    // a zero row), padded by 8, and its groups' raw and decoded metadata.
-    let gemv_smem = |kc: usize| {
-        (2 * (m + 1) * (kc + 8)).div_ceil(16) * 16 + kc.div_ceil(group_size) * GEMV_META_BYTES
-    };
-    if m <= 16 && gemv_ok && gemv_smem(group_size) <= GEMV_SMEM {
+    if m <= 16 && gemv_ok {
         let nblocks = (n / 8).div_ceil(8);
-        // K is split in whole groups: the most groups a slice may take, then the split range.
-        let groups = k / group_size;
-        let gmax = (1..=groups)
-            .rev()
-            .find(|&u| gemv_smem(u * group_size) <= GEMV_SMEM)
-            .unwrap_or(1);
-        let lo = groups.div_ceil(gmax);
-        // Every warp of a block gets at least two batches of 32 where K allows.
-        let hi = (tiles / 8).min(groups).max(lo);
+        // Largest K slice that fits the shared-memory budget, in units of 32.
+        let kmax = ((GEMV_SMEM / (2 * (m + 1))).saturating_sub(8) / GEMM_BK).max(4);
+        let lo = tiles.div_ceil(kmax).max(1);
+        // Every warp of a block gets at least two batches of 32.
+        let hi = (tiles / 8).max(lo);
         let splits = pick_splits(nblocks, slots, lo, hi);
-        let per = groups.div_ceil(splits);
-        let splits = groups.div_ceil(per);
-        let k_chunk = per * group_size;
-        let smem = gemv_smem(k_chunk).max(3 * 32 * 32 * 4);
+        let per = tiles.div_ceil(splits).max(1);
+        let splits = tiles.div_ceil(per);
+        let k_chunk = per * GEMM_BK;
+        let xbytes = (2 * (m + 1) * (k_chunk + 8)).div_ceil(16) * 16;
+        let smem = xbytes.max(3 * 32 * 32 * 4);
         return GemmPlan {
             kernel: GemmKernel::Gemv,
             nblocks,
@@ -953,12 +939,13 @@ fn plan_uncached(
 ) -> Result<(GemmPlan, Func)> {
     // The GEMV path (power-of-two groups) depends on its shared memory for occupancy:
     // plan with an estimate first.
+    let gemv_ok = group_size.is_power_of_two();
     let sms = dev.sm_count.max(1) as usize;
     let wg_sms = (dev.cc == (9, 0) && wg_shape_ok(n, k, group_size)).then_some(sms);
-    let probe = gemm_plan(sms * 4, m, n, k, group_size, wg_sms);
+    let probe = gemm_plan(sms * 4, m, n, k, gemv_ok, wg_sms);
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
     let occ = dev.occupancy(f, probe.threads as u32, probe.smem);
-    let plan = gemm_plan(sms * occ, m, n, k, group_size, wg_sms);
+    let plan = gemm_plan(sms * occ, m, n, k, gemv_ok, wg_sms);
     let f = dev.function(gemm_kernel_name(act, &plan)?)?;
     Ok((plan, f))
 }
@@ -2248,7 +2235,7 @@ mod tests {
             (128, 18432, 7168),
             (40, 96, 256),
         ] {
-            let p = gemm_plan(132 * 4, m, n, k, 128, None);
+            let p = gemm_plan(132 * 4, m, n, k, true, None);
             assert!(
                 p.k_chunk.is_multiple_of(32)
                     && p.splits * p.k_chunk >= k
@@ -2297,7 +2284,7 @@ mod tests {
             (17, 128, 64),
         ] {
             assert!(wg_shape_ok(n, k, 64));
-            let p = gemm_plan(132 * 4, m, n, k, 128, Some(132));
+            let p = gemm_plan(132 * 4, m, n, k, true, Some(132));
             assert_eq!(p.kernel, GemmKernel::Wgmma, "{p:?}");
             assert!(
                 p.k_chunk.is_multiple_of(WG_BK)
@@ -2314,14 +2301,14 @@ mod tests {
         }
         // A 16-block grid splits 8 ways, a 56-block one twice, 144 blocks (just over one wave)
         // 3-4 ways; a grid of many waves not at all.
-        let splits = |m, n, k| gemm_plan(132 * 4, m, n, k, 128, Some(132)).splits;
+        let splits = |m, n, k| gemm_plan(132 * 4, m, n, k, true, Some(132)).splits;
         assert!((3..=4).contains(&splits(128, 18432, 7168)));
         assert_eq!(splits(128, 2048, 7168), 8);
         assert_eq!(splits(128, 7168, 2048), 2);
         assert_eq!(splits(1024, 18432, 7168), 1);
         // Small M keeps the GEMV; shapes the kernel cannot take keep the tiled kernel.
         assert_ne!(
-            gemm_plan(132 * 4, 16, 2048, 7168, 128, Some(132)).kernel,
+            gemm_plan(132 * 4, 16, 2048, 7168, true, Some(132)).kernel,
             GemmKernel::Wgmma
         );
         assert!(
