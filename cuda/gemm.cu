@@ -481,11 +481,10 @@ extern "C" __global__ void w4a16_reduce_bf16(const float* ws, u16* y, int splits
 
 // ---------------------------------------------------------------------------------------
 // GEMV-style path for M <= 16: no shared-memory staging of the weights. Each warp streams
-// its B fragments straight from global memory (two batches of 32 k ahead in registers) and
-// the x rows of each batch by cp.async into a ring of 3 slots of its own (rows >= M read a
-// zero row for ldmatrix), so K splits are not bounded by shared memory; the 4 warps of a
-// block split the block's K range (interleaved batches of 32 k) and their accumulators are
-// summed in a fixed order at the end. Block = 8 word columns (64 outputs).
+// its B fragments straight from global memory (one batch of 32 k ahead in registers), the
+// block's slice of x sits in shared memory (rows >= M alias a zero row for ldmatrix), the
+// 4 warps of a block split the block's K range (interleaved batches of 32 k) and their
+// accumulators are summed in a fixed order at the end. Block = 8 word columns (64 outputs).
 
 template <bool BF>
 __device__ __forceinline__ void gemv_meta(u32 zw, uint4 sv, u32 zm[8], u32 s2[8]) {
@@ -535,11 +534,6 @@ struct GemvBatch {
     uint4 sv;
 };
 
-// x ring of a GEMV warp: 3 slots of 17 rows (row 16 zeros) of 32 k, 80 bytes apart (ldmatrix
-// rows then fall in distinct banks).
-#define GEMV_XR 40
-#define GEMV_SLOT (17 * GEMV_XR)
-
 template <bool BF>
 __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
                                                 const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
@@ -554,6 +548,7 @@ __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const
     const int kbeg = blockIdx.z * k_chunk;
     const int kend = min(K, kbeg + k_chunk);
     const int klen = kend - kbeg;
+    const int XS = k_chunk + 8;
 
     float acc[8][4];
 #pragma unroll
@@ -561,76 +556,68 @@ __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const
 #pragma unroll
         for (int q = 0; q < 4; q++) acc[b][q] = 0.0f;
 
-    u16* ring = xs + warp * 3 * GEMV_SLOT;
-    // Row 16 of each slot stays zero (the copies write rows < M only).
-    if (lane < 15) {
-        uint4 z;
-        z.x = 0; z.y = 0; z.z = 0; z.w = 0;
-        *(uint4*)&ring[(lane / 5) * GEMV_SLOT + 16 * GEMV_XR + 8 * (lane % 5)] = z;
-    }
-    const int arow_r = (lane & 15) < M ? (lane & 15) : 16;
-    const int aoff = arow_r * GEMV_XR + (lane >> 4) * 8;
+    const int arow_r = (lane & 15) < M ? (lane & 15) : M;
+    const u16* arow = xs + arow_r * XS + (lane >> 4) * 8;
     const u32* qcol = qw + c;
 
     const i64 NW64 = NW;
-    const int nb = klen >> 5;
-    // Batch b's weights into B and its x rows into slot `slot`; one cp.async group either way
-    // (compute's wait counts groups).
-    auto load = [&](int b, GemvBatch& B, int slot) {
-        if (b < nb) {
-            const int k0 = kbeg + 32 * b;
-            if (col_ok) {
-                const u32* p = qcol + (i64)(k0 + 2 * tig) * NW64;
-                B.w[0] = __ldg(p);
-                B.w[1] = __ldg(p + NW64);
-                B.w[2] = __ldg(p + 8 * NW64);
-                B.w[3] = __ldg(p + 9 * NW64);
-                B.w[4] = __ldg(p + 16 * NW64);
-                B.w[5] = __ldg(p + 17 * NW64);
-                B.w[6] = __ldg(p + 24 * NW64);
-                B.w[7] = __ldg(p + 25 * NW64);
-                const int grp = k0 >> gshift;
-                B.zw = __ldg(qz + (i64)grp * NW64 + c);
-                B.sv = __ldg((const uint4*)(sc + (i64)grp * N + 8 * (i64)c));
-            } else {
+    auto load = [&](int b, GemvBatch& B) {
+        const int k0 = kbeg + 32 * b;
+        if (col_ok) {
+            const u32* p = qcol + (i64)(k0 + 2 * tig) * NW64;
+            B.w[0] = __ldg(p);
+            B.w[1] = __ldg(p + NW64);
+            B.w[2] = __ldg(p + 8 * NW64);
+            B.w[3] = __ldg(p + 9 * NW64);
+            B.w[4] = __ldg(p + 16 * NW64);
+            B.w[5] = __ldg(p + 17 * NW64);
+            B.w[6] = __ldg(p + 24 * NW64);
+            B.w[7] = __ldg(p + 25 * NW64);
+            const int grp = k0 >> gshift;
+            B.zw = __ldg(qz + (i64)grp * NW64 + c);
+            B.sv = __ldg((const uint4*)(sc + (i64)grp * N + 8 * (i64)c));
+        } else {
 #pragma unroll
-                for (int j = 0; j < 8; j++) B.w[j] = 0;
-                B.zw = 0;
-                B.sv.x = 0; B.sv.y = 0; B.sv.z = 0; B.sv.w = 0;
-            }
-            __syncwarp();  // every lane's ldmatrix of this slot's previous batch is done
-            for (int i = lane; i < 4 * M; i += 32) {
-                const int r = i >> 2, ch = i & 3;
-                cp_async16(&ring[slot * GEMV_SLOT + r * GEMV_XR + 8 * ch], x + (i64)r * K + k0 + 8 * ch, 16);
-            }
+            for (int j = 0; j < 8; j++) B.w[j] = 0;
+            B.zw = 0;
+            B.sv.x = 0; B.sv.y = 0; B.sv.z = 0; B.sv.w = 0;
         }
-        cp_async_commit();
     };
-    auto compute = [&](int b, const GemvBatch& B, int slot) {
-        cp_async_wait<2>();  // this batch's x rows; the two batches after it may be in flight
-        __syncwarp();
+    auto compute = [&](int b, const GemvBatch& B) {
         u32 zm[8], s2[8];
         gemv_meta<BF>(B.zw, B.sv, zm, s2);
-        const u16* arow = ring + slot * GEMV_SLOT + aoff;
-        gemv_step<BF>(acc, arow, B.w[0], B.w[1], B.w[2], B.w[3], zm, s2);
-        gemv_step<BF>(acc, arow + 16, B.w[4], B.w[5], B.w[6], B.w[7], zm, s2);
+        gemv_step<BF>(acc, arow + 32 * b, B.w[0], B.w[1], B.w[2], B.w[3], zm, s2);
+        gemv_step<BF>(acc, arow + 32 * b + 16, B.w[4], B.w[5], B.w[6], B.w[7], zm, s2);
     };
 
+    const int nb = klen >> 5;
     GemvBatch B0, B1, B2;
     int b = warp;
-    load(b, B0, 0);
-    load(b + 4, B1, 1);
-    for (; b < nb; b += 12) {
-        load(b + 8, B2, 2);
-        compute(b, B0, 0);
-        if (b + 4 >= nb) break;
-        load(b + 12, B0, 0);
-        compute(b + 4, B1, 1);
-        if (b + 8 >= nb) break;
-        load(b + 16, B1, 1);
-        compute(b + 8, B2, 2);
+    if (b < nb) load(b, B0);
+    if (b + 4 < nb) load(b + 4, B1);
+
+    // x slice -> shared memory (row M is zeros), while the first weight batches are in flight:
+    // a short block (small shapes split K finely) otherwise waits for two round trips.
+    const int cpr = klen >> 3;  // 16-byte chunks per row
+    for (int i = tid; i < (M + 1) * cpr; i += 128) {
+        int r = i / cpr, cc = i - r * cpr;
+        uint4 v;
+        v.x = 0; v.y = 0; v.z = 0; v.w = 0;
+        if (r < M) v = *(const uint4*)(x + (i64)r * K + kbeg + 8 * cc);
+        *(uint4*)&xs[r * XS + 8 * cc] = v;
     }
-    cp_async_wait<0>();
+    __syncthreads();
+
+    for (; b < nb; b += 12) {
+        if (b + 8 < nb) load(b + 8, B2);
+        compute(b, B0);
+        if (b + 4 >= nb) break;
+        if (b + 12 < nb) load(b + 12, B0);
+        compute(b + 4, B1);
+        if (b + 8 >= nb) break;
+        if (b + 16 < nb) load(b + 16, B1);
+        compute(b + 8, B2);
+    }
 
     // Sum the 4 warps' accumulators (fixed order) through shared memory.
     __syncthreads();

@@ -561,9 +561,8 @@ pub unsafe fn gptq_pack_codes(
 
 const GEMM_BN: usize = 256;
 const GEMM_BK: usize = 32;
-/// Shared memory of the GEMV path's x rings: 4 warps × 3 slots × 17 rows of 80 bytes
-/// (cuda/gemm.cu `GEMV_SLOT`).
-const GEMV_RING_BYTES: usize = 4 * 3 * 17 * 80;
+/// Largest shared-memory slice of x the GEMV path stages per block (bytes).
+const GEMV_SMEM: usize = 48 * 1024;
 
 /// Whether an M <= GEMV3_MAX_M product runs the SIMT GEMV (version 3: zero point folded out of
 /// the inner loop) rather than the tensor-core GEMV (version 1: weights prefetched into
@@ -580,15 +579,14 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 
 /// Tuning knobs from the environment, read once per process (never per launch):
 /// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0|1` (the Hopper wgmma kernel
-/// off, or on for every M > 4 whose shape it takes), `FORGE_GEMM_WG_SPLITS=1..8` (its K
-/// splits) and `FORGE_GEMV_SPLITS=1..64` (the tensor-core GEMV's K splits).
+/// off, or on for every M > 4 whose shape it takes) and `FORGE_GEMM_WG_SPLITS=1..8` (its K
+/// splits).
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
     gemm_mt: Option<usize>,
     gemm_wg: Option<usize>,
     gemm_wg_splits: Option<usize>,
-    gemv_splits: Option<usize>,
 }
 
 fn knobs() -> Knobs {
@@ -605,7 +603,6 @@ fn knobs() -> Knobs {
             gemm_mt: read("FORGE_GEMM_MT", &[1, 2, 4]),
             gemm_wg: read("FORGE_GEMM_WG", &[0, 1]),
             gemm_wg_splits: read("FORGE_GEMM_WG_SPLITS", &[1, 2, 3, 4, 5, 6, 7, 8]),
-            gemv_splits: read("FORGE_GEMV_SPLITS", &(1..=64).collect::<Vec<_>>()),
         }
     })
 }
@@ -797,16 +794,17 @@ fn gemm_plan(
     }
     if m <= 16 && gemv_ok {
         let nblocks = (n / 8).div_ceil(8);
+        // Largest K slice that fits the shared-memory budget, in units of 32.
+        let kmax = ((GEMV_SMEM / (2 * (m + 1))).saturating_sub(8) / GEMM_BK).max(4);
+        let lo = tiles.div_ceil(kmax).max(1);
         // Every warp of a block gets at least two batches of 32.
-        let hi = (tiles / 8).max(1);
-        let splits = knobs()
-            .gemv_splits
-            .unwrap_or_else(|| pick_splits(nblocks, slots, 1, hi))
-            .clamp(1, tiles.max(1));
+        let hi = (tiles / 8).max(lo);
+        let splits = pick_splits(nblocks, slots, lo, hi);
         let per = tiles.div_ceil(splits).max(1);
         let splits = tiles.div_ceil(per);
         let k_chunk = per * GEMM_BK;
-        let smem = GEMV_RING_BYTES.max(3 * 32 * 32 * 4);
+        let xbytes = (2 * (m + 1) * (k_chunk + 8)).div_ceil(16) * 16;
+        let smem = xbytes.max(3 * 32 * 32 * 4);
         return GemmPlan {
             kernel: GemmKernel::Gemv,
             nblocks,
