@@ -153,22 +153,15 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
                 float v[8];
                 decode_run<DT>(raw, q, v);
                 u32 word = 0;
-#if __CUDA_ARCH__ >= 900
                 // Inputs j and j + 4 as one clamped u16x2 pair, shifted onto nibbles j and
-                // j + 4 (the ALU pipe bounds this loop: ncu 59 %, one min per two codes).
+                // j + 4 (on sm_90 the ALU pipe bounds this loop: ncu 59 %, and the pair takes
+                // one min for two codes).
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const float x0 = bs != nullptr ? v[j] * sc : v[j];
                     const float x1 = bs != nullptr ? v[j + 4] * sc : v[j + 4];
                     word += quant_code_u16x2(x0, x1, p[q / 4], maxq) << (4 * j);  // codes <= 15: + is |
                 }
-#else
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const float x = bs != nullptr ? v[j] * sc : v[j];
-                    word += quant_code_u(x, p[q / 4], maxq) << (4 * j);  // codes <= 15: + is |
-                }
-#endif
                 runs[qp_slot<R>(tid, q)] = word;
             }
         }
