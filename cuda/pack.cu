@@ -39,7 +39,9 @@ template <int DT> struct QpTile {
 
 // Shared-memory word of row r (0..255), run q (0..R-1), R runs per row: 32 / R rows per
 // 32-word line; the XOR by r/8 gives phase 2's 32 lanes (rows 8o+c, the same c and q) 32
-// different banks.
+// different banks. For q < R and c < 8 (R = 8 or 16): qp_slot(r, q) == qp_slot(r, 0) ^ q and
+// qp_slot(8o + c, 0) == qp_slot(8o, 0) ^ R·c, so a thread computes one base and XORs
+// constants into it (the address arithmetic was a tenth of the FP8 kernel's instructions).
 template <int R> __device__ __forceinline__ int qp_slot(int r, int q) {
     return (r / (32 / R)) * 32 + (((r % (32 / R)) * R + q) ^ ((r >> 3) & 31));
 }
@@ -98,6 +100,23 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     // K and G are multiples of 32: the tile holds `quarters` whole 32-input quarters, and a
     // group can only start at a quarter.
     const int quarters = min(QUARTERS, (K - k0) / 32);
+    // Each quarter's group and whether one starts there, from one division (G >= 32: the
+    // next quarter is at most one group further); a division or remainder by the runtime G
+    // per quarter cost ~20 instructions each.
+    int qgrp[QUARTERS];
+    bool qstart[QUARTERS];
+    {
+        int grp = k0 / G, rem = k0 - grp * G;
+#pragma unroll
+        for (int h = 0; h < QUARTERS; h++) {
+            if (h > 0 && (rem += 32) >= G) {
+                rem -= G;
+                grp++;
+            }
+            qgrp[h] = grp;
+            qstart[h] = rem == 0;
+        }
+    }
     // Phase 1. The row's loads are issued first, all at once; its grid is decoded while they
     // are in flight.
     const int n = n0 + tid;
@@ -128,8 +147,7 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
         const u32* qm = qmeta + (i64)n * ng;
 #pragma unroll
         for (int h = 0; h < QUARTERS; h++) {
-            const int k = k0 + 32 * h;
-            if (h == 0 || (h < quarters && k % G == 0)) p[h] = qmeta_params(qm[k / G], bits);
+            if (h == 0 || (h < quarters && qstart[h])) p[h] = qmeta_params(qm[qgrp[h]], bits);
             else p[h] = p[h - 1];
         }
         // k0 is a multiple of BK, which divides 128: one 128-wide block scale per tile.
@@ -147,6 +165,7 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     // The staged rows share their space with the run words.
     if (BULK) __syncthreads();
     if (n < N) {
+        const int s0 = qp_slot<R>(tid, 0);
 #pragma unroll
         for (int q = 0; q < R; q++) {
             if (q / 4 < quarters) {
@@ -158,11 +177,14 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
                 // one min for two codes).
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
-                    const float x0 = bs != nullptr ? v[j] * sc : v[j];
-                    const float x1 = bs != nullptr ? v[j + 4] * sc : v[j + 4];
+                    // FP8 multiplies by sc = 1 without block scales (exact), so its loop has
+                    // no branch on bs; the 16-bit types keep the unscaled loop free of it.
+                    const bool mul = DT == FORGE_DT_F8E4M3 || bs != nullptr;
+                    const float x0 = mul ? v[j] * sc : v[j];
+                    const float x1 = mul ? v[j + 4] * sc : v[j + 4];
                     word += quant_code_u16x2(x0, x1, p[q / 4], maxq) << (4 * j);  // codes <= 15: + is |
                 }
-                runs[qp_slot<R>(tid, q)] = word;
+                runs[s0 ^ q] = word;
             }
         }
     }
@@ -172,9 +194,8 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     // word by shuffles — nothing is read again at the block's end.
 #pragma unroll
     for (int h = 0; h < QUARTERS; h++) {
-        const int k = k0 + 32 * h;
-        if (h < quarters && k % G == 0) {
-            const int grp = k / G, j = tid & 7;
+        if (h < quarters && qstart[h]) {
+            const int grp = qgrp[h], j = tid & 7;
             u32 zw = 0;
             if (n < N) {
                 scales[(i64)grp * N + n] = f32_to_f16_rn(p[h].scale);
@@ -191,17 +212,20 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     const int NW = N / 8;
     const int o = tid & 31;
     const int gwc = n0 / 8 + o;
+    const int b0 = qp_slot<R>(8 * o, 0);
 #pragma unroll
     for (int i = 0; i < R / 8; i++) {
         const int q = (tid >> 5) + 8 * i;
         const int k = k0 + 8 * q;
         if (gwc < NW && q / 4 < quarters) {
+            const int bq = b0 ^ q;
             u32 a[8];
 #pragma unroll
-            for (int c = 0; c < 8; c++) a[c] = runs[qp_slot<R>(8 * o + awq_col(c), q)];
+            for (int c = 0; c < 8; c++) a[c] = runs[bq ^ (R * awq_col(c))];
             nibble_transpose8(a);
+            u32* dst = qweight + (i64)k * NW + gwc;
 #pragma unroll
-            for (int j = 0; j < 8; j++) qweight[(i64)(k + j) * NW + gwc] = a[j];
+            for (int j = 0; j < 8; j++, dst += NW) *dst = a[j];
         }
     }
 }
