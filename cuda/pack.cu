@@ -95,7 +95,11 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     const int tid = threadIdx.x;
     const int n0 = blockIdx.y * QP_BN;
     const int k0 = blockIdx.x * BK;
-    const int ng = K / G;
+    // A power-of-two G (32, 64, 128) divides by a shift (a division by a runtime int is ~20
+    // instructions).
+    const bool g_pow2 = (G & (G - 1)) == 0;
+    const int g_shift = __ffs(G) - 1;
+    const int ng = g_pow2 ? K >> g_shift : K / G;
     const u32 maxq = (1u << bits) - 1u;
     // K and G are multiples of 32: the tile holds `quarters` whole 32-input quarters, and a
     // group can only start at a quarter.
@@ -106,7 +110,7 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     int qgrp[QUARTERS];
     bool qstart[QUARTERS];
     {
-        int grp = k0 / G, rem = k0 - grp * G;
+        int grp = g_pow2 ? k0 >> g_shift : k0 / G, rem = k0 - grp * G;
 #pragma unroll
         for (int h = 0; h < QUARTERS; h++) {
             if (h > 0 && (rem += 32) >= G) {
