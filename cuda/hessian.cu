@@ -477,34 +477,65 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
         wg_fence_acc(d0);
         wg_fence_acc(d1);
     }
-    // Epilogue: alpha * tile added to H by reductions straight from the accumulators (each H
-    // element gets exactly one add: the upper element from its tile, the lower one from the
-    // same value mirrored). Accumulator 4j + c of (warp w of its warpgroup, lane l): tile row
-    // 64 wg + 16 w + l / 4 (+8 for c >= 2), column 8 j + 2 (l % 4) + (c & 1) (+128 in d1).
-    if (wg < 2) {
+    __syncthreads();
+
+    // The epilogue adds the tile to H in L2 (bulk reductions from shared memory: the SM does
+    // not wait on H's 512 KB of read-modify-write, which bounded tiles of a few thousand rows):
+    // first alpha · tile, a row of H per op from column max(j0, i) (down to a multiple of 4),
+    // then its mirror, alpha · tileᵀ, row j of H from column i0 to j (up to a multiple of 4).
+    // The elements of the ops' edge vectors on the other side of the diagonal are staged as
+    // zeros (adding 0 changes nothing, and the adds are atomic where a neighbour tile owns
+    // them), so H stays exactly symmetric. Accumulator element 4j + c of thread (warp w of its
+    // warpgroup, lane l): tile row 64·wg + 16w + l/4 (+8 for c >= 2), column 8j + 2(l%4) +
+    // (c & 1) (+128 in d1): the transposed staging is conflict-free, the other 2-way.
+    float* S = reinterpret_cast<float*>(base);
+    auto stage = [&](bool mirror) {
+        if (wg >= 2) return;
         const int w = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
         for (int j = 0; j < 16; j++)
 #pragma unroll
-            for (int hi = 0; hi < 2; hi++)
+            for (int c = 0; c < 4; c++)
 #pragma unroll
-                for (int h8 = 0; h8 < 2; h8++) {
-                    const int i = i0 + wg * 64 + w * 16 + g + 8 * h8;
-                    const int c = j0 + hi * 128 + j * 8 + 2 * t4;  // columns c, c + 1 (D % 8 == 0)
-                    const float v0 = alpha * (hi ? d1 : d0)[4 * j + 2 * h8];
-                    const float v1 = alpha * (hi ? d1 : d0)[4 * j + 2 * h8 + 1];
-                    if (i >= D || c >= D) continue;
-                    float* row = He + (i64)i * D;
-                    if (i <= c)
-                        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(row + c), "f"(v0), "f"(v1) : "memory");
-                    else if (i == c + 1)
-                        asm volatile("red.global.add.f32 [%0], %1;" ::"l"(row + c + 1), "f"(v1) : "memory");
-                    if (i < c)
-                        asm volatile("red.global.add.f32 [%0], %1;" ::"l"(He + (i64)c * D + i), "f"(v0) : "memory");
-                    if (i < c + 1)
-                        asm volatile("red.global.add.f32 [%0], %1;" ::"l"(He + (i64)(c + 1) * D + i), "f"(v1) : "memory");
+                for (int hi = 0; hi < 2; hi++) {
+                    const int r = wg * 64 + w * 16 + g + ((c >> 1) << 3), q = hi * 128 + j * 8 + 2 * t4 + (c & 1);
+                    const float v = alpha * (hi ? d1 : d0)[4 * j + c];
+                    if (mirror) S[q * HW_TROW + r] = i0 + r < j0 + q ? v : 0.0f;
+                    else S[r * HW_SROW + q] = i0 + r <= j0 + q ? v : 0.0f;
                 }
-    }
+    };
+    auto reduce_rows = [&](bool mirror) {
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the staging → the bulk reads
+        __syncthreads();
+        if (tid < (mirror ? HW_TJ : HW_TI)) {
+            int row, c0, c1;  // H row, columns [c0, c1)
+            u32 src;
+            if (mirror) {
+                row = j0 + tid;
+                c0 = i0;
+                c1 = min(i0 + HW_TI, (row + 3) & ~3);
+                src = sbase + tid * HW_TROW * 4;
+            } else {
+                row = i0 + tid;
+                c0 = max(j0, row & ~3);
+                c1 = min(j0 + HW_TJ, D);
+                src = sbase + (tid * HW_SROW + c0 - j0) * 4;
+            }
+            if (row < D && c1 > c0) {
+                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                                 He + (i64)row * D + c0),
+                             "r"(src), "r"((c1 - c0) * 4)
+                             : "memory");
+            }
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        }
+        __syncthreads();
+    };
+    stage(false);
+    reduce_rows(false);
+    stage(true);
+    reduce_rows(true);
 #endif
 }
 
