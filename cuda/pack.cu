@@ -23,9 +23,11 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
     return ((m >> 24) & 1u) ? (1u << (bits - 1)) : ((m >> 16) & 0xFFu);
 }
 
-// Tile: 256 output rows (n) x QpTile::BK inputs (k), 256 threads; BK = 128 for fp8 and 64
-// otherwise (128 bytes of a row, 256 for f32; ops.rs launches ceil(K/BK) x ceil(N/256)
-// blocks, the k-tiles of the same rows side by side, so the weight rows stream contiguously).
+// Tile: 256 output rows (n) x QP_BK = 64 inputs (k), 256 threads: 64 bytes of a row for fp8
+// (128-input fp8 tiles were no faster on big matrices and 13-16 % slower on expert-sized ones:
+// half the blocks, 70 registers against 40), 128 for 16-bit types, 256 for f32. ops.rs launches
+// ceil(K/QP_BK) x ceil(N/256) blocks, the k-tiles of the same rows side by side, so the weight
+// rows stream contiguously.
 // Phase 1: thread t loads row n0+t's whole tile at once (on sm_90 bf16 / f16 rows by a bulk
 // copy into shared memory, see BULK), quantizes it run by run (8 inputs)
 // and keeps each run's 8 codes as one word (nibble j = input 8q+j). Phase 2: thread (octet
@@ -33,9 +35,7 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
 // 8x8 nibbles in registers into the 8 AWQ words of inputs 8q..8q+7, and a warp writes 32
 // consecutive words per input row (128 bytes).
 #define QP_BN 256
-template <int DT> struct QpTile {
-    enum { BK = DT == FORGE_DT_F8E4M3 ? 128 : 64, RUNS = BK / 8 };
-};
+#define QP_BK 64
 
 // Shared-memory word of row r (0..255), run q (0..R-1), R runs per row: 32 / R rows per
 // 32-word line; the XOR by r/8 gives phase 2's 32 lanes (rows 8o+c, the same c and q) 32
@@ -75,8 +75,8 @@ template <int DT>
 __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qmeta, u32* qweight, u32* qzeros,
                                                     u16* scales, int N, int K, int G, int bits, const float* bs,
                                                     int bcols) {
-    constexpr int BK = QpTile<DT>::BK, R = QpTile<DT>::RUNS, QUARTERS = BK / 32;
-    constexpr int VEC = BK * ElemBytes<DT>::v / 16;  // 16-byte words of a row's tile: 8 (16 for f32)
+    constexpr int BK = QP_BK, R = BK / 8, QUARTERS = BK / 32;
+    constexpr int VEC = BK * ElemBytes<DT>::v / 16;  // 16-byte words of a row's tile: 4 (fp8), 8, 16 (f32)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     // bf16 / f16 row tiles (128 bytes) arrive by one bulk copy a row, staged 144 bytes apart
     // (a warp's 16-byte reads of its 32 rows then take the minimum 4 wavefronts): the copy

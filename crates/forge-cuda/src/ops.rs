@@ -434,9 +434,8 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
     );
     let (mut bs, mut bcols) = (a.block_scale, to_i32("k", k.div_ceil(FP8_BLOCK))?);
     let mut p = args!(pw, pm, pqw, pqz, psc, nn, kk, g, bits, bs, bcols);
-    // pack.cu's QpTile::BK: inputs of a row per block (fp8 128, others 64).
-    let tile_k = if a.dtype == DType::F8E4M3 { 128 } else { 64 };
-    let grid = (blocks(k, tile_k)?, blocks(n, 256)?, 1);
+    // pack.cu's QP_BK (inputs of a row per block) and QP_BN (rows per block).
+    let grid = (blocks(k, 64)?, blocks(n, 256)?, 1);
     // SAFETY: parameter list matches awq_quant_pack_<dt>.
     unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
 }
