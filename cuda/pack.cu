@@ -39,7 +39,7 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
 
 // Shared-memory word of row r (0..255), run q (0..R-1), R runs per row: 32 / R rows per
 // 32-word line; the XOR by r/8 gives phase 2's 32 lanes (rows 8o+c, the same c and q) 32
-// different banks. For q < R and c < 8 (R = 8 or 16): qp_slot(r, q) == qp_slot(r, 0) ^ q and
+// different banks. For q < R and c < 8 (R = 8; 16 holds too): qp_slot(r, q) == qp_slot(r, 0) ^ q and
 // qp_slot(8o + c, 0) == qp_slot(8o, 0) ^ R·c, so a thread computes one base and XORs
 // constants into it (the address arithmetic was a tenth of the FP8 kernel's instructions).
 template <int R> __device__ __forceinline__ int qp_slot(int r, int q) {
