@@ -82,7 +82,8 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     // (a warp's 16-byte reads of its 32 rows then take the minimum 4 wavefronts): the copy
     // engine reads whole lines where a warp's loads would touch 32 lines each. FP8 keeps the
     // loads into registers: its arithmetic, not its reads, bounds it once the rows are staged
-    // (18432x7168 with block scales: 95.4 -> 100 µs staged, H100).
+    // (18432x7168 with block scales: 95.4 -> 100 µs staged, H100, measured with the 128-byte
+    // FP8 tiles of that time).
     constexpr bool BULK = VEC == 8 && ElemBytes<DT>::v == 2;
 #else
     constexpr bool BULK = false;
@@ -170,6 +171,9 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     if (BULK) __syncthreads();
     if (n < N) {
         const int s0 = qp_slot<R>(tid, 0);
+        // FP8 multiplies by sc = 1 without block scales (exact), so its loop has no branch on
+        // bs; the 16-bit types keep the unscaled loop free of the multiply.
+        const bool mul = DT == FORGE_DT_F8E4M3 || bs != nullptr;
 #pragma unroll
         for (int q = 0; q < R; q++) {
             if (q / 4 < quarters) {
@@ -181,9 +185,6 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
                 // one min for two codes).
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
-                    // FP8 multiplies by sc = 1 without block scales (exact), so its loop has
-                    // no branch on bs; the 16-bit types keep the unscaled loop free of it.
-                    const bool mul = DT == FORGE_DT_F8E4M3 || bs != nullptr;
                     const float x0 = mul ? v[j] * sc : v[j];
                     const float x1 = mul ? v[j + 4] * sc : v[j + 4];
                     word += quant_code_u16x2(x0, x1, p[q / 4], maxq) << (4 * j);  // codes <= 15: + is |

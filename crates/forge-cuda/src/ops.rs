@@ -434,11 +434,17 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
     );
     let (mut bs, mut bcols) = (a.block_scale, to_i32("k", k.div_ceil(FP8_BLOCK))?);
     let mut p = args!(pw, pm, pqw, pqz, psc, nn, kk, g, bits, bs, bcols);
-    // pack.cu's QP_BK (inputs of a row per block) and QP_BN (rows per block).
-    let grid = (blocks(k, 64)?, blocks(n, 256)?, 1);
+    let grid = (blocks(k, PACK_TILE_K)?, blocks(n, PACK_TILE_N)?, 1);
+    // One thread a row of the tile.
+    let block = (PACK_TILE_N as u32, 1, 1);
     // SAFETY: parameter list matches awq_quant_pack_<dt>.
-    unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
+    unsafe { launch(dev, f, grid, block, 0, s.handle, &mut p) }
 }
+
+/// Inputs of a row per block of `awq_quant_pack_<dt>` (pack.cu `QP_BK`, every dtype).
+const PACK_TILE_K: usize = 64;
+/// Rows per block of `awq_quant_pack_<dt>` (pack.cu `QP_BN`), one thread each.
+const PACK_TILE_N: usize = 256;
 
 /// Packs `a.codes [K, N]` with their grid into the AWQ layout of `out` (see [`PackCodes`]
 /// and [`PackedOut`]). Bit-identical to `forge_core::pack::pack_awq` for codes ≤ 15. Every
