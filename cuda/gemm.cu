@@ -937,3 +937,268 @@ FORGE_GEMV3G_ENTRY(f16, 4, 1, false, 2)
 FORGE_GEMV3G_ENTRY(bf16, 1, 2, true, 4)
 FORGE_GEMV3G_ENTRY(bf16, 2, 2, true, 2)
 FORGE_GEMV3G_ENTRY(bf16, 4, 1, true, 2)
+
+// ---------------------------------------------------------------------------------------
+// GEMV path, cluster-reduced (sm_90, M <= 8, power-of-two G): one launch, no workspace, no
+// second kernel.
+//   - Tensor cores, with the weights as the MMA's A operand (16 outputs) and x as B (its
+//     8 columns are up to 8 rows of x): y[r][o] = Σ_k W[o][k]·x[r][k]. A thread (groupID g,
+//     thread-in-group t) of a warp loads WPL consecutive words (4·WPL bytes) of rows
+//     2t, 2t+1, 2t+8, 2t+9 of each 16-deep step: one warp instruction reads 4 rows of
+//     32·WPL contiguous bytes. prmt pairs the rows (2t, 2t+1) and (2t+8, 2t+9) of a word, and
+//     nibble i of a pair becomes the two halves 128 + q (bf16) or 1024 + q (f16), exact, in
+//     one shift and one LOP3: the A fragment of outputs (nibble i, nibble i + 4) of the word.
+//   - The zero point and scale are folded out of the loop: per group, acc = Σ (128 + q)·x,
+//     X = Σ x (one more MMA with A = ones), and y += s·(acc − (128 + z)·X) once per group.
+//   - The K range is spread over the GVC_WARPS warps of a block and the S blocks of a cluster
+//     (blockIdx.y, cluster dims (1, S, 1)); each warp streams its contiguous K range, the
+//     next step's weights, x and (at a new group) metadata loaded while the current step is
+//     multiplied. The warps are summed through shared memory, the cluster's blocks through
+//     distributed shared memory (each block sums 1/S of the outputs over the S blocks, in
+//     rank order) and written as the output dtype. Every sum has a fixed order:
+//     deterministic.
+#define GVC_WARPS 8
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ u32 cluster_nctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+    return r;
+}
+// Every thread of every block of the cluster arrives; shared-memory writes before it are
+// visible to the cluster's reads after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The float at this block's shared address `p`, read from the same address in block `rank` of the cluster.
+__device__ __forceinline__ float ld_cluster_f32(const float* p, u32 rank) {
+    u32 a;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+    return v;
+}
+#endif
+
+// One 16-deep step of a thread: WPL words of its rows 2t, 2t+1, 2t+8, 2t+9, and its B fragment of x.
+template <int WPL> struct GvcStep {
+    u32 w[4][WPL];
+    u32 b0, b1;
+};
+// One group's metadata of a thread's WPL words: zero words and 8 f16 scales each.
+template <int WPL> struct GvcMeta {
+    u32 z[WPL];
+    uint4 s[WPL];
+};
+
+template <int R, int WPL, int DEPTH, bool BF>
+__device__ __forceinline__ void w4a16_gemvc_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
+                                                 const u32* __restrict__ qz, const u16* __restrict__ sc,
+                                                 u16* __restrict__ y, int M, int N, int K, int gshift, int k_warp) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int CW = 8 * WPL;    // word columns of a block
+    constexpr int BO = 8 * CW;     // outputs of a block
+    constexpr int NE = R == 1 ? 2 : 4;  // accumulator elements with real rows (R = 1: x row 0 only)
+    __shared__ float red[GVC_WARPS][R][BO];
+    __shared__ float part[R * BO];
+    pdl_launch_dependents();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int NW = N >> 3;
+    // First word column of this thread; NW % WPL == 0: all WPL words in or out. A thread past
+    // the last column multiplies zeros (the MMAs need every lane of the warp).
+    const bool col_ok = blockIdx.x * CW + g * WPL < NW;
+    const int c = col_ok ? blockIdx.x * CW + g * WPL : 0;
+    const int kw = (blockIdx.y * GVC_WARPS + warp) * k_warp;
+    const int kb = min(K, kw), ke = min(K, kw + k_warp);
+    const int m = min(M, R);
+    const i64 NW64 = NW;
+    const u32 MAGIC = BF ? 0x43004300u : 0x64006400u;
+    const u32 ONES = BF ? 0x3F803F80u : 0x3C003C00u;
+    const float BIAS = BF ? 128.0f : 1024.0f;
+    const u32 ones[4] = {ONES, ONES, ONES, ONES};
+    const bool x_ok = g < m;  // this thread's B column is a real row of x
+    const u16* xrow = x + (i64)(x_ok ? g : 0) * K + 2 * t;
+
+    float T[4 * WPL][NE];
+#pragma unroll
+    for (int p = 0; p < 4 * WPL; p++)
+#pragma unroll
+        for (int e = 0; e < NE; e++) T[p][e] = 0.0f;
+
+    auto load = [&](int k0, GvcStep<WPL>& S) {
+        const u32* p = qw + (i64)(k0 + 2 * t) * NW64 + c;
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const u32* q = p + (i64)((r & 1) + 8 * (r >> 1)) * NW64;
+            if (!col_ok) {
+#pragma unroll
+                for (int j = 0; j < WPL; j++) S.w[r][j] = 0u;
+            } else if constexpr (WPL == 4) {
+                const uint4 v = __ldg((const uint4*)q);
+                S.w[r][0] = v.x;
+                S.w[r][1 % WPL] = v.y;
+                S.w[r][2 % WPL] = v.z;
+                S.w[r][3 % WPL] = v.w;
+            } else if constexpr (WPL == 2) {
+                const uint2 v = __ldg((const uint2*)q);
+                S.w[r][0] = v.x;
+                S.w[r][WPL - 1] = v.y;
+            } else {
+                S.w[r][0] = __ldg(q);
+            }
+        }
+        S.b0 = x_ok ? __ldg((const u32*)(xrow + k0)) : 0u;
+        S.b1 = x_ok ? __ldg((const u32*)(xrow + k0 + 8)) : 0u;
+    };
+    auto load_meta = [&](int grp, GvcMeta<WPL>& Mt) {
+#pragma unroll
+        for (int j = 0; j < WPL; j++) {
+            Mt.z[j] = __ldg(qz + (i64)grp * NW64 + c + j);
+            Mt.s[j] = __ldg((const uint4*)(sc + (i64)grp * N + 8 * (i64)(c + j)));
+        }
+    };
+
+    if (kb < ke) {  // uniform over the warp
+        float acc[4 * WPL][4], X[4];
+        auto zero_acc = [&]() {
+#pragma unroll
+            for (int p = 0; p < 4 * WPL; p++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[p][e] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 4; e++) X[e] = 0.0f;
+        };
+        auto mul = [&](const GvcStep<WPL>& S) {
+#pragma unroll
+            for (int j = 0; j < WPL; j++) {
+                const u32 tl01 = prmt(S.w[0][j], S.w[1][j], 0x5410), th01 = prmt(S.w[0][j], S.w[1][j], 0x7632);
+                const u32 tl89 = prmt(S.w[2][j], S.w[3][j], 0x5410), th89 = prmt(S.w[2][j], S.w[3][j], 0x7632);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    u32 a[4];
+                    a[0] = and_or(tl01 >> (4 * i), 0x000F000Fu, MAGIC);
+                    a[1] = and_or(th01 >> (4 * i), 0x000F000Fu, MAGIC);
+                    a[2] = and_or(tl89 >> (4 * i), 0x000F000Fu, MAGIC);
+                    a[3] = and_or(th89 >> (4 * i), 0x000F000Fu, MAGIC);
+                    mma16816<BF>(acc[4 * j + i], a, S.b0, S.b1);
+                }
+            }
+            mma16816<BF>(X, ones, S.b0, S.b1);
+        };
+        // y += s·(acc − (bias + z)·X) for this thread's outputs: mma p = (word j, nibble i)
+        // holds nibble i (elements 0, 1) and nibble i + 4 (elements 2, 3) of word j, for x
+        // rows 2t (even elements) and 2t + 1 (odd).
+        auto fold = [&](const GvcMeta<WPL>& Mt) {
+#pragma unroll
+            for (int j = 0; j < WPL; j++) {
+                const u32 h[4] = {Mt.s[j].x, Mt.s[j].y, Mt.s[j].z, Mt.s[j].w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+#pragma unroll
+                    for (int e = 0; e < NE; e++) {
+                        const int ae = R == 1 ? 2 * e : e;  // R = 1: elements 0 and 2
+                        const int nib = i + 4 * (ae >> 1);
+                        const int o = awq_col(nib);
+                        float s = f16_to_f32((u16)((h[o >> 1] >> (16 * (o & 1))) & 0xFFFF));
+                        if (BF) s = bf16_to_f32(f32_to_bf16_rn(s));
+                        const float zz = BIAS + (float)((Mt.z[j] >> (4 * nib)) & 15u);
+                        T[4 * j + i][e] = fmaf(s, fmaf(-zz, X[ae & 1], acc[4 * j + i][ae]), T[4 * j + i][e]);
+                    }
+                }
+            }
+        };
+
+        // A ring of DEPTH steps in flight: a step's registers are reloaded with the step
+        // DEPTH ahead as soon as they are multiplied. The next group's metadata is loaded
+        // at the first step of the current one (a group is 2 steps or more).
+        GvcStep<WPL> ring[DEPTH];
+        GvcMeta<WPL> Mc, Mn;
+        int cur = kb >> gshift;
+        load_meta(cur, Mc);
+#pragma unroll
+        for (int d = 0; d < DEPTH; d++)
+            if (kb + 16 * d < ke) load(kb + 16 * d, ring[d]);
+        zero_acc();
+        const int last_grp = (ke - 1) >> gshift;
+        if (cur < last_grp) load_meta(cur + 1, Mn);
+        for (int k0 = kb; k0 < ke; k0 += 16 * DEPTH) {
+#pragma unroll
+            for (int d = 0; d < DEPTH; d++) {
+                const int kk = k0 + 16 * d;
+                if (kk < ke) {  // uniform over the warp
+                    mul(ring[d]);
+                    if (kk + 16 * DEPTH < ke) load(kk + 16 * DEPTH, ring[d]);
+                    const int kn = kk + 16;
+                    if (kn >= ke || (kn >> gshift) != cur) {
+                        fold(Mc);
+                        if (kn < ke) {
+                            zero_acc();
+                            cur = kn >> gshift;
+                            Mc = Mn;
+                            if (cur < last_grp) load_meta(cur + 1, Mn);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // This warp's sums -> shared memory: element e of mma (j, i) is output 8·(g·WPL + j) + nib
+    // of the block (nib = i, or i + 4 for e >= 2) for x row 2t + e % 2 (R = 1: row 0, t = 0).
+#pragma unroll
+    for (int j = 0; j < WPL; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int e = 0; e < NE; e++) {
+                const int ae = R == 1 ? 2 * e : e;
+                const int r = 2 * t + (ae & 1);
+                if (r < R) red[warp][r][8 * (g * WPL + j) + i + 4 * (ae >> 1)] = T[4 * j + i][e];
+            }
+    __syncthreads();
+    for (int o = tid; o < R * BO; o += 32 * GVC_WARPS) {
+        const int r = o / BO, jj = o - r * BO;
+        float v = red[0][r][jj];
+#pragma unroll
+        for (int w = 1; w < GVC_WARPS; w++) v = v + red[w][r][jj];
+        part[o] = v;
+    }
+    cluster_sync();  // every block's partial sums are written
+    const int S = (int)cluster_nctarank(), rank = (int)cluster_ctarank();
+    const int per = (R * BO + S - 1) / S;
+    for (int o = rank * per + tid; o < min(R * BO, (rank + 1) * per); o += 32 * GVC_WARPS) {
+        float v = 0.0f;
+        for (int q = 0; q < S; q++) v = v + ld_cluster_f32(&part[o], (u32)q);
+        const int r = o / BO, jj = o - r * BO;
+        const int word = blockIdx.x * CW + jj / 8;
+        if (r < m && word < NW) {
+            const i64 n = 8 * (i64)word + awq_col(jj % 8);
+            y[(i64)r * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+        }
+    }
+    cluster_sync();  // no block leaves (freeing its shared memory) while others still read it
+#endif
+}
+
+#define FORGE_GEMVC_ENTRY(SUF, R, WPL, BF, MINB, DEPTH)                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * GVC_WARPS, MINB) w4a16_gemvc_##SUF##_r##R##_w##WPL(        \
+        const u16* x, const u32* qw, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int gshift,      \
+        int k_warp) {                                                                                           \
+        w4a16_gemvc_impl<R, WPL, DEPTH, BF>(x, qw, qz, sc, y, M, N, K, gshift, k_warp);                       \
+    }
+FORGE_GEMVC_ENTRY(f16, 1, 1, false, 4, 2)
+FORGE_GEMVC_ENTRY(f16, 1, 2, false, 1, 4)
+FORGE_GEMVC_ENTRY(f16, 1, 4, false, 1, 4)
+FORGE_GEMVC_ENTRY(f16, 4, 2, false, 1, 4)
+FORGE_GEMVC_ENTRY(f16, 8, 2, false, 1, 4)
+FORGE_GEMVC_ENTRY(bf16, 1, 1, true, 4, 2)
+FORGE_GEMVC_ENTRY(bf16, 1, 2, true, 1, 4)
+FORGE_GEMVC_ENTRY(bf16, 1, 4, true, 1, 4)
+FORGE_GEMVC_ENTRY(bf16, 4, 2, true, 1, 4)
+FORGE_GEMVC_ENTRY(bf16, 8, 2, true, 1, 4)

@@ -155,6 +155,43 @@ def test_awq_matmul_close_to_reference(act, m, k, n, group):
     assert err < (2e-3 if act == torch.float16 else 1.6e-2), float(err)
 
 
+_SMALL_M_SCRIPT = """
+import json, sys, torch, forge
+out = []
+for m, k, n, group in [(1, 4096, 2048, 128), (1, 2048, 7168, 64), (2, 1024, 544, 64), (3, 2048, 160, 32),
+                       (4, 7168, 384, 128), (1, 256, 96, 32)]:
+    for act in (torch.float16, torch.bfloat16):
+        g = torch.Generator().manual_seed(m * 7 + k)
+        w = torch.randn(n, k, generator=g) * 0.05
+        qmeta, _, _ = forge.build_quant_grid(w, group, 4, False, "range")
+        qw, qz, sc = forge.quantize_pack_awq(w, qmeta, group)
+        x = torch.randn(m, k, generator=g).to(act)
+        ref = x.double() @ forge.dequantize_awq(qw, qz, sc, group).double().t()
+        y = forge.awq_matmul(x.cuda(), qw.cuda(), qz.cuda(), sc.cuda(), group)
+        out.append(float((y.double().cpu() - ref).abs().max() / ref.abs().max()))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("knobs", [{"FORGE_GEMVC": "0"}, {"FORGE_GEMVC": "0", "FORGE_GEMV": "3"}, {"FORGE_GEMVC": "1"}, {"FORGE_GEMVC": "4"}])
+def test_awq_matmul_small_m_fallback_kernels(knobs):
+    """The small-M kernels Hopper does not pick by default (the split-K tensor-core and SIMT
+    GEMVs, which pre-Hopper GPUs run) stay correct: forced through their knobs, which are read
+    once per process, in a child process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **knobs}
+    r = subprocess.run([sys.executable, "-c", _SMALL_M_SCRIPT], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    errs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(errs) == 12
+    for i, e in enumerate(errs):
+        assert e < (2e-3 if i % 2 == 0 else 1.6e-2), (i, e)
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("experts", [1, 3])
 @pytest.mark.parametrize("k", [384, 640])  # 640: past the CUDA solver's 512-column super-block
