@@ -18,7 +18,7 @@
 //! written concurrently by other work. Output buffers must not alias inputs unless stated.
 
 use crate::error::{CudaError, DrvExt, Result};
-use crate::runtime::{device, launch, launch_cluster, launch_programmatic, Device, Func};
+use crate::runtime::{device, launch, launch_programmatic, Device, Func};
 use cudarc::driver::{result as dr, sys};
 use forge_core::grid::{GridSpec, MseSpec};
 use std::collections::HashMap;
@@ -584,14 +584,11 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 
 /// Tuning knobs from the environment, read once per process (never per launch):
 /// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0|1` (the Hopper wgmma kernel
-/// off, or on for every M > 4 whose shape it takes), `FORGE_GEMM_WG_SPLITS=1..8` (its K
-/// splits), `FORGE_GEMVC=0` (the cluster-reduced GEMV off) or `FORGE_GEMVC=1|2|4` (its words a
-/// thread for M = 1) and `FORGE_GEMVC_CLUSTER=1..8` (its cluster size).
+/// off, or on for every M > 4 whose shape it takes) and `FORGE_GEMM_WG_SPLITS=1..8` (its K
+/// splits).
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
-    gemvc: Option<usize>,
-    gemvc_cluster: Option<usize>,
     gemm_mt: Option<usize>,
     gemm_wg: Option<usize>,
     gemm_wg_splits: Option<usize>,
@@ -608,8 +605,6 @@ fn knobs() -> Knobs {
         };
         Knobs {
             gemv: read("FORGE_GEMV", &[1, 3]),
-            gemvc: read("FORGE_GEMVC", &[0, 1, 2, 4]),
-            gemvc_cluster: read("FORGE_GEMVC_CLUSTER", &[1, 2, 3, 4, 5, 6, 7, 8]),
             gemm_mt: read("FORGE_GEMM_MT", &[1, 2, 4]),
             gemm_wg: read("FORGE_GEMM_WG", &[0, 1]),
             gemm_wg_splits: read("FORGE_GEMM_WG_SPLITS", &[1, 2, 3, 4, 5, 6, 7, 8]),
@@ -638,13 +633,6 @@ enum GemmKernel {
     Gemv,
     /// `w4a16_gemv3_<dt>_r<rows>`: SIMT GEMV (M <= 4) for `rows` rows.
     Gemv3 { rows: usize },
-    /// `w4a16_gemvc_<dt>_r<rows>_w<wpl>`: cluster-reduced tensor-core GEMV (sm_90,
-    /// M <= 8), `cluster` blocks along K in a cluster.
-    Gemvc {
-        rows: usize,
-        wpl: usize,
-        cluster: usize,
-    },
     /// `w4a16_awq_<dt>_m<mt>`: mma.sync tiles of `mt` m16 tiles per block.
     Tiled { mt: usize },
     /// `w4a16_wg_<dt>`: Hopper wgmma (M > 16).
@@ -654,10 +642,7 @@ enum GemmKernel {
 impl GemmKernel {
     /// The GEMVs take log2 of the group size, the others the group size.
     fn takes_log2_group(self) -> bool {
-        matches!(
-            self,
-            GemmKernel::Gemv | GemmKernel::Gemv3 { .. } | GemmKernel::Gemvc { .. }
-        )
+        matches!(self, GemmKernel::Gemv | GemmKernel::Gemv3 { .. })
     }
 }
 
@@ -709,45 +694,6 @@ fn gemv3_splits(base: usize, slots: usize, k: usize) -> (usize, usize) {
     let splits = pick_splits(base, slots, 1, units.max(1));
     let per = units.div_ceil(splits).max(1);
     (units.div_ceil(per), per * unit)
-}
-
-/// Warps per block of the cluster-reduced GEMV (cuda/gemm.cu `GVC_WARPS`).
-const GEMVC_WARPS: usize = 8;
-/// Largest (portable) cluster of the cluster-reduced GEMV.
-const GEMVC_MAX_CLUSTER: usize = 8;
-
-/// Largest M the cluster-reduced GEMV takes (the 8 columns of its MMAs' x operand).
-const GEMVC_MAX_M: usize = 8;
-
-/// The cluster-reduced GEMV's plan for `m <= GEMVC_MAX_M` rows on `sms` SMs: the kernel
-/// variant for `m` (rows, words a thread: `FORGE_GEMVC` picks the M = 1 one) and the cluster
-/// size (`FORGE_GEMVC_CLUSTER`, else the one whose most loaded SM streams the fewest weight
-/// rows: blocks spread evenly over the SMs, each streaming its warps' K ranges; a tie goes to
-/// the smaller cluster).
-fn gemvc_plan(sms: usize, m: usize, n: usize, k: usize) -> GemmPlan {
-    let (rows, wpl) = match (m, knobs().gemvc) {
-        (1, Some(v)) if v > 0 => (1, v),
-        (1, _) => (1, 2),
-        (2..=4, _) => (4, 2),
-        _ => (8, 2),
-    };
-    let nblocks = (n / 8).div_ceil(8 * wpl);
-    let steps = k.div_ceil(16);
-    let k_warp = |s: usize| steps.div_ceil(s * GEMVC_WARPS) * 16;
-    let cost = |s: usize| (nblocks * s).div_ceil(sms.max(1)) * k_warp(s);
-    let cluster = knobs().gemvc_cluster.unwrap_or_else(|| {
-        (1..=GEMVC_MAX_CLUSTER).fold(1, |best, s| if cost(s) < cost(best) { s } else { best })
-    });
-    GemmPlan {
-        kernel: GemmKernel::Gemvc { rows, wpl, cluster },
-        nblocks,
-        mblocks: 1,
-        splits: 1,
-        k_chunk: k_warp(cluster),
-        smem: 0,
-        threads: 32 * GEMVC_WARPS,
-        block_n: 64 * wpl,
-    }
 }
 
 /// Smallest M the Hopper wgmma kernel takes by default (`FORGE_GEMM_WG=1`: every M above
@@ -911,7 +857,6 @@ fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
     let name = match plan.kernel {
         GemmKernel::Gemv => format!("w4a16_gemv_{suffix}"),
         GemmKernel::Gemv3 { rows } => format!("w4a16_gemv3_{suffix}_r{rows}"),
-        GemmKernel::Gemvc { rows, wpl, .. } => format!("w4a16_gemvc_{suffix}_r{rows}_w{wpl}"),
         GemmKernel::Tiled { mt } => format!("w4a16_awq_{suffix}_m{mt}"),
         GemmKernel::Wgmma => format!("w4a16_wg_{suffix}"),
     };
@@ -1001,11 +946,6 @@ fn plan_uncached(
     // plan with an estimate first.
     let gemv_ok = group_size.is_power_of_two();
     let sms = dev.sm_count.max(1) as usize;
-    if dev.cc >= (9, 0) && gemv_ok && m <= GEMVC_MAX_M && knobs().gemvc != Some(0) {
-        let plan = gemvc_plan(sms, m, n, k);
-        let f = dev.function(gemm_kernel_name(act, &plan)?)?;
-        return Ok((plan, f));
-    }
     let wg_sms = (dev.cc == (9, 0) && wg_shape_ok(n, k, group_size)).then_some(sms);
     let probe = gemm_plan(sms * 4, m, n, k, gemv_ok, wg_sms);
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
@@ -1139,14 +1079,6 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
         k_chunk as i32,
     );
     let (mut px, mut pqw, mut pqz, mut psc) = (a.x, a.qweight, a.qzeros, a.scales);
-    if let GemmKernel::Gemvc { cluster, .. } = plan.kernel {
-        let mut out = a.y;
-        let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc);
-        let dims = ((grid.0, cluster as u32, 1), (threads, 1, 1), 0);
-        // SAFETY: parameter list matches w4a16_gemvc_<dt>_r<rows>_w<wpl>; the plan is
-        // made only for sm_90 and newer.
-        return unsafe { launch_cluster(dev, f, dims, cluster as u32, s.handle, &mut p) };
-    }
     if splits == 1 {
         let (mut out, mut split_out) = (a.y, 0i32);
         let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);

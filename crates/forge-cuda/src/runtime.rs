@@ -314,51 +314,6 @@ pub(crate) unsafe fn launch_programmatic(
     .drv("cuLaunchKernelEx")
 }
 
-/// [`launch`] in thread-block clusters of `cluster` blocks along the grid's y axis (sm_90+;
-/// the grid's y extent a multiple of it): the blocks of a cluster run at once and share
-/// their shared memory (cuda/gemm.cu `w4a16_gemvc_*`).
-///
-/// # Safety
-/// As [`launch`]; the device is sm_90 or newer.
-pub(crate) unsafe fn launch_cluster(
-    dev: &Device,
-    f: Func,
-    (grid, block, smem): LaunchDims,
-    cluster: u32,
-    stream: u64,
-    params: &mut [*mut c_void],
-) -> Result<()> {
-    if !launchable(dev, grid)? {
-        return Ok(());
-    }
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-        pad: [0; 4],
-        // SAFETY: a plain-data union, all zeros is a valid value of every member.
-        value: unsafe { std::mem::zeroed() },
-    };
-    attr.value.clusterDim.x = 1;
-    attr.value.clusterDim.y = cluster;
-    attr.value.clusterDim.z = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: grid.2,
-        blockDimX: block.0,
-        blockDimY: block.1,
-        blockDimZ: block.2,
-        sharedMemBytes: smem,
-        hStream: stream as sys::CUstream,
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    // SAFETY: config and attr outlive the call; the parameters are upheld by the caller.
-    unsafe {
-        sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()).result()
-    }
-    .drv("cuLaunchKernelEx")
-}
-
 // ---------------------------------------------------------------------------------------
 // NVRTC
 
