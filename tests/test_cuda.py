@@ -144,38 +144,35 @@ def test_pack_codes_bit_exact():
         assert torch.equal(a, b.cpu())
 
 
-@pytest.mark.parametrize("act", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 9, 16, 33, 128, 300])
-@pytest.mark.parametrize("k,n,group", [(1024, 256, 128), (2048, 512, 64), (768, 1024, 32), (7168, 384, 128)])
-def test_awq_matmul_close_to_reference(act, m, k, n, group):
-    g = torch.Generator().manual_seed(3)
+def awq_matmul_rel_err(act, m, k, n, group, seed, mode):
+    """forge.awq_matmul on the GPU of random weights (quantized on the `mode` grid) and
+    activations: (y, max |y − ref| / max |ref|) against a float64 reference."""
+    g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
-    qmeta, _, _ = forge.build_quant_grid(w, group, 4, False, "mse")
+    qmeta, _, _ = forge.build_quant_grid(w, group, 4, False, mode)
     qw, qz, sc = forge.quantize_pack_awq(w, qmeta, group)
     x = torch.randn(m, k, generator=g).to(act)
     ref = x.double() @ forge.dequantize_awq(qw, qz, sc, group).double().t()
     y = forge.awq_matmul(x.cuda(), qw.cuda(), qz.cuda(), sc.cuda(), group)
+    return y, float((y.double().cpu() - ref).abs().max() / ref.abs().max())
+
+
+def awq_matmul_tol(act):
+    return 2e-3 if act == torch.float16 else 1.6e-2
+
+
+@pytest.mark.parametrize("act", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 9, 16, 33, 128, 300])
+@pytest.mark.parametrize("k,n,group", [(1024, 256, 128), (2048, 512, 64), (768, 1024, 32), (7168, 384, 128)])
+def test_awq_matmul_close_to_reference(act, m, k, n, group):
+    y, err = awq_matmul_rel_err(act, m, k, n, group, 3, "mse")
     assert y.dtype == act and y.shape == (m, n)
-    err = (y.double().cpu() - ref).abs().max() / ref.abs().max()
-    assert err < (2e-3 if act == torch.float16 else 1.6e-2), float(err)
+    assert err < awq_matmul_tol(act), err
 
 
-_SMALL_M_SCRIPT = """
-import json, sys, torch, forge
-out = []
-for m, k, n, group in [(1, 4096, 2048, 128), (1, 2048, 7168, 64), (2, 1024, 544, 64), (3, 2048, 160, 32),
-                       (4, 7168, 384, 128), (1, 1024, 8192, 128)]:
-    for act in (torch.float16, torch.bfloat16):
-        g = torch.Generator().manual_seed(m * 7 + k)
-        w = torch.randn(n, k, generator=g) * 0.05
-        qmeta, _, _ = forge.build_quant_grid(w, group, 4, False, "range")
-        qw, qz, sc = forge.quantize_pack_awq(w, qmeta, group)
-        x = torch.randn(m, k, generator=g).to(act)
-        ref = x.double() @ forge.dequantize_awq(qw, qz, sc, group).double().t()
-        y = forge.awq_matmul(x.cuda(), qw.cuda(), qz.cuda(), sc.cuda(), group)
-        out.append(float((y.double().cpu() - ref).abs().max() / ref.abs().max()))
-print(json.dumps(out))
-"""
+# (m, k, n, group): M = 1 at N below and above 8192 (where the default switches GEMV), M = 2..4.
+SMALL_M_CASES = [(1, 4096, 2048, 128), (1, 2048, 7168, 64), (2, 1024, 544, 64), (3, 2048, 160, 32),
+                 (4, 7168, 384, 128), (1, 1024, 8192, 128)]  # fmt: skip
 
 
 @pytest.mark.parametrize("knobs", [{"FORGE_GEMV": "1"}, {"FORGE_GEMV": "3"}])
@@ -184,13 +181,20 @@ def test_awq_matmul_small_m_fallback_kernels(knobs):
     (the tensor-core v1 at M = 1 and N >= 8192 is otherwise never run, nor the SIMT v3 at
     M = 2..4 or N < 8192): each forced through `FORGE_GEMV`, read once per process, in a
     child process."""
-    env = {**os.environ, **knobs}
-    r = subprocess.run([sys.executable, "-c", _SMALL_M_SCRIPT], capture_output=True, text=True, env=env)
+    script = (
+        f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import torch\n"
+        "from test_cuda import SMALL_M_CASES, awq_matmul_rel_err\n"
+        "print(json.dumps([awq_matmul_rel_err(a, *c, c[0] * 7 + c[1], 'range')[1] "
+        "for c in SMALL_M_CASES for a in (torch.float16, torch.bfloat16)]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, **knobs}
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     errs = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(errs) == 12
+    assert len(errs) == 2 * len(SMALL_M_CASES)
     for i, e in enumerate(errs):
-        assert e < (2e-3 if i % 2 == 0 else 1.6e-2), (i, e)
+        assert e < awq_matmul_tol(torch.float16 if i % 2 == 0 else torch.bfloat16), (SMALL_M_CASES[i // 2], e)
 
 
 @pytest.mark.parametrize("act_order", [False, True])
