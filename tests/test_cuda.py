@@ -175,26 +175,34 @@ SMALL_M_CASES = [(1, 4096, 2048, 128), (1, 2048, 7168, 64), (2, 1024, 544, 64), 
                  (4, 7168, 384, 128), (1, 1024, 8192, 128)]  # fmt: skip
 
 
-@pytest.mark.parametrize("knobs", [{"FORGE_GEMV": "1"}, {"FORGE_GEMV": "3"}])
-def test_awq_matmul_small_m_fallback_kernels(knobs):
+def test_awq_matmul_small_m_forced_gemvs():
     """Both small-M GEMVs stay correct on shapes the default dispatch gives to the other one
     (the tensor-core v1 at M = 1 and N >= 8192 is otherwise never run, nor the SIMT v3 at
     M = 2..4 or N < 8192): each forced through `FORGE_GEMV`, read once per process, in a
-    child process."""
+    child process. The two children's outputs must differ somewhere (the kernels round
+    differently), which shows the knob reached the dispatch."""
     script = (
-        f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import torch\n"
+        f"import hashlib, json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        "import torch\n"
         "from test_cuda import SMALL_M_CASES, awq_matmul_rel_err\n"
-        "print(json.dumps([awq_matmul_rel_err(a, *c, c[0] * 7 + c[1], 'range')[1] "
-        "for c in SMALL_M_CASES for a in (torch.float16, torch.bfloat16)]))"
+        "out = []\n"
+        "for c in SMALL_M_CASES:\n"
+        "    for a in (torch.float16, torch.bfloat16):\n"
+        "        y, e = awq_matmul_rel_err(a, *c, c[0] * 7 + c[1], 'range')\n"
+        "        out.append((e, hashlib.sha256(y.cpu().view(torch.int16).numpy().tobytes()).hexdigest()))\n"
+        "print(json.dumps(out))"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, **knobs}
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    errs = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(errs) == 2 * len(SMALL_M_CASES)
-    for i, e in enumerate(errs):
-        assert e < awq_matmul_tol(torch.float16 if i % 2 == 0 else torch.bfloat16), (SMALL_M_CASES[i // 2], e)
+    runs = {}
+    for version in ("1", "3"):
+        env = {**os.environ, "FORGE_GEMV": version}
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[version] = json.loads(r.stdout.strip().splitlines()[-1])
+        assert len(runs[version]) == 2 * len(SMALL_M_CASES)
+        for i, (e, _) in enumerate(runs[version]):
+            act = torch.float16 if i % 2 == 0 else torch.bfloat16
+            assert e < awq_matmul_tol(act), (version, SMALL_M_CASES[i // 2], act, e)
+    assert [h for _, h in runs["1"]] != [h for _, h in runs["3"]], "FORGE_GEMV did not change the kernel"
 
 
 @pytest.mark.parametrize("act_order", [False, True])
