@@ -20,6 +20,7 @@ import math
 import torch
 
 import forge
+from forge import runtime
 
 G = 128
 SHAPES = [(7168, 2048), (2048, 7168), (7168, 18432)]  # (K, N)
@@ -96,7 +97,7 @@ def bench_gemm(rows, bw):
         # tinygemm: w = (q - 8) * s + zp  ->  zp = (8 - z) * s
         sz = torch.stack([s, (8 - zeros) * s], dim=-1).contiguous()  # (K/G, N, 2)
         limit = (qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2) / bw
-        for m in (1, 16, 64, 128):
+        for m in (1, 4, 8, 16, 64, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf16 = graph_time(lambda x=x: x @ w.t())
             t_tiny = graph_time(lambda x=x: torch.ops.aten._weight_int4pack_mm(x, w_int4, G, sz))
@@ -114,6 +115,26 @@ def bench_gemm(rows, bw):
                 vs_tinygemm=t_tiny / t_ours,
                 tinygemm_us=t_tiny * 1e6,
                 rel_err=err,
+            )
+            if m > runtime.TILED_MAX_M:
+                continue
+            # decode through the runtime: the tiled GEMV on the tile-layout copy it caches
+            cache: dict = {}
+            y = runtime.awq_linear(x, qw, qz, sc, G, cache=cache)
+            if "tiled" not in cache:
+                continue
+            t_tiled = graph_time(lambda x=x, cache=cache: runtime.awq_linear(x, qw, qz, sc, G, cache=cache))
+            rows.add(
+                "w4a16_gemv_tiled",
+                f"K={k} N={n}",
+                "bf16 cuBLAS",
+                t_bf16,
+                t_tiled,
+                M=m,
+                limit_pct=100 * limit / t_tiled,
+                vs_tinygemm=t_tiny / t_tiled,
+                tinygemm_us=t_tiny * 1e6,
+                rel_err=rel_err(y, ref),
             )
 
 

@@ -205,6 +205,75 @@ def test_awq_matmul_small_m_forced_gemvs():
     assert [h for _, h in runs["1"]] != [h for _, h in runs["3"]], "FORGE_GEMV did not change the kernel"
 
 
+@pytest.mark.parametrize("k,n", [(64, 16), (512, 256), (7168, 2048), (2048, 7168)])
+def test_tile_awq_bit_exact(k, n):
+    """The CUDA tile repack against the CPU one (itself checked against the layout's
+    definition in test_pack.py)."""
+    g = torch.Generator().manual_seed(k + n)
+    qweight = torch.randint(-(2**31), 2**31, (k, n // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    assert torch.equal(forge.tile_awq(qweight.cuda()).cpu(), forge.tile_awq(qweight))
+
+
+# (m, k, n, group): 16 warps a tile (few tiles, long K), 4 (many tiles), G 64 / 256, a warp
+# with a ragged share of groups (7 over 4 warps), the smallest N, K = 64 (one chunk).
+TILED_CASES = [(1, 7168, 2048, 128), (2, 2048, 7168, 128), (3, 1024, 544, 64), (4, 1792, 48, 256),
+               (5, 896, 16, 128), (8, 4096, 1024, 128), (7, 64, 32, 64), (6, 7168, 384, 128)]  # fmt: skip
+
+
+@pytest.mark.parametrize("act", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n,group", TILED_CASES)
+def test_tiled_gemv_close_to_reference(act, m, k, n, group):
+    """Decode-sized awq_linear calls run the tiled GEMV on the cached tile layout: checked
+    against a float64 reference, for determinism, and against the GEMM it replaces."""
+    from forge import runtime
+
+    gen = torch.Generator().manual_seed(m * k + n)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    qmeta, _, _ = forge.build_quant_grid(w, group, 4, False, "mse")
+    qw, qz, sc = (t.cuda() for t in forge.quantize_pack_awq(w, qmeta, group))
+    x = torch.randn(m, k, generator=gen).to(act)
+    ref = x.double() @ forge.dequantize_awq(qw, qz, sc, group).double().cpu().t()
+    cache: dict = {}
+    y = runtime.awq_linear(x.cuda(), qw, qz, sc, group, cache=cache)
+    assert "tiled" in cache, "the decode-sized call did not take the tiled GEMV"
+    assert torch.equal(cache["tiled"][1], forge.tile_awq(qw))
+    assert y.dtype == act and y.shape == (m, n)
+    err = float((y.double().cpu() - ref).abs().max() / ref.abs().max())
+    assert err < awq_matmul_tol(act), err
+    assert torch.equal(runtime.awq_linear(x.cuda(), qw, qz, sc, group, cache=cache), y)
+    if n % 32 == 0:  # the GEMM takes N % 32 == 0 only; the tiled GEMV N % 16 == 0
+        y_gemm = forge.awq_matmul(x.cuda(), qw, qz, sc, group)
+        assert float((y_gemm.double().cpu() - ref).abs().max() / ref.abs().max()) < awq_matmul_tol(act)
+
+
+def test_tiled_decode_switch_and_large_calls(monkeypatch):
+    """Calls past TILED_MAX_M rows, shapes the tile layout does not take, and
+    TILED_DECODE = False go to the GEMM and leave no tile copy; an in-place change of
+    qweight remakes the tile copy."""
+    from forge import runtime
+
+    qw = torch.randint(-(2**31), 2**31, (512, 32), dtype=torch.int64).to(torch.int32).cuda()
+    qz = torch.randint(-(2**31), 2**31, (4, 32), dtype=torch.int64).to(torch.int32).cuda()
+    sc = (torch.rand(4, 256) * 0.01 + 1e-3).half().cuda()
+    cache: dict = {}
+    runtime.awq_linear(torch.randn(9, 512, device="cuda").half(), qw, qz, sc, 128, cache=cache)
+    assert "tiled" not in cache
+    qz32, sc32 = qz.repeat(4, 1), sc.repeat(4, 1)  # the same codes in groups of 32
+    runtime.awq_linear(torch.randn(1, 512, device="cuda").half(), qw, qz32, sc32, 32, cache=cache)
+    assert "tiled" not in cache
+    monkeypatch.setattr(runtime, "TILED_DECODE", False)
+    runtime.awq_linear(torch.randn(1, 512, device="cuda").half(), qw, qz, sc, 128, cache=cache)
+    assert "tiled" not in cache
+    monkeypatch.setattr(runtime, "TILED_DECODE", True)
+    x = torch.randn(1, 512, device="cuda").half()
+    y0 = runtime.awq_linear(x, qw, qz, sc, 128, cache=cache)
+    first = cache["tiled"][1]
+    qw.bitwise_xor_(0x11111111)
+    y1 = runtime.awq_linear(x, qw, qz, sc, 128, cache=cache)
+    assert cache["tiled"][1] is not first and torch.equal(cache["tiled"][1], forge.tile_awq(qw))
+    assert not torch.equal(y0, y1)
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("experts", [1, 3])
 @pytest.mark.parametrize("k", [384, 640])  # 640: past the CUDA solver's 512-column super-block

@@ -279,3 +279,34 @@ def test_pack_rejects_zero_point_above_15(packer):
     arg = torch.zeros(32, 8, dtype=torch.uint8) if packer != "quantize_pack_awq" else torch.zeros(8, 32)
     with pytest.raises(ValueError, match="zero|qmeta"):
         getattr(forge, packer)(arg, qmeta, 32)
+
+
+def ref_tile_awq(codes: torch.Tensor) -> torch.Tensor:
+    """The tile layout written from its definition (cuda/gemm.cu): codes ``(K, N)`` ->
+    int32 ``(N/16, K/64, 32, 4)``, word ``(t, c, 4g + tt, j)`` holding in nibble ``p``
+    (``r = p & 3``, ``e = p >> 2``) the code at ``n = 16t + g + 8(r & 1)``,
+    ``k = 64c + 16tt + 4j + 2(r >> 1) + e``."""
+    k_, n_ = codes.shape
+    t, c, g, tt, j, p = torch.meshgrid(
+        *(torch.arange(v) for v in (n_ // 16, k_ // 64, 8, 4, 4, 8)), indexing="ij"
+    )
+    r, e = p & 3, p >> 2
+    vals = codes.long()[64 * c + 16 * tt + 4 * j + 2 * (r >> 1) + e, 16 * t + g + 8 * (r & 1)]
+    words = (vals << (4 * p)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.reshape(n_ // 16, k_ // 64, 32, 4).to(torch.int32)
+
+
+@pytest.mark.parametrize("k,n", [(64, 16), (128, 48), (448, 96)])
+def test_tile_awq_matches_its_definition(k, n, gen):
+    qweight = torch.randint(-(2**31), 2**31, (k, n // 8), generator=gen, dtype=torch.int64).to(torch.int32)
+    codes, _ = forge.unpack_awq(qweight, torch.zeros(1, n // 8, dtype=torch.int32), k)
+    tiled = forge.tile_awq(qweight)
+    assert tiled.dtype == torch.int32 and tiled.shape == (n // 16, k // 64, 32, 4)
+    assert torch.equal(tiled, ref_tile_awq(codes))
+
+
+@pytest.mark.parametrize("k,n", [(64, 8), (64, 24), (96, 16)])
+def test_tile_awq_refuses_shapes_it_cannot_tile(k, n):
+    with pytest.raises(forge.errors.ShapeError):
+        forge.tile_awq(torch.zeros(k, n // 8, dtype=torch.int32))

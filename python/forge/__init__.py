@@ -48,6 +48,7 @@ _EXPORTS = {
             "prepare_hessian_batched",
             "quantize_pack_awq",
             "quantize_rtn",
+            "tile_awq",
             "unpack_awq",
             "unpack_gptq",
         )

@@ -40,6 +40,7 @@ __all__ = [
     "quantize_pack_awq",
     "unpack_awq",
     "dequantize_awq",
+    "tile_awq",
     "awq_matmul",
     "pack_gptq",
     "unpack_gptq",
@@ -479,6 +480,32 @@ def unpack_awq(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of the packing: ``(codes (K, N) uint8, zeros (K/G, N) uint8)``."""
     return _via_cpu(lambda a, b: _native.unpack_awq(a, b, group_size), qweight, qzeros)
+
+
+def tile_awq(qweight: torch.Tensor) -> torch.Tensor:
+    """Repacks an AWQ ``qweight (K, N/8)`` int32 into the tile layout of the CUDA tiled GEMV
+    (``N % 16 == 0``, ``K % 64 == 0``): int32 ``(N/16, K/64, 32, 4)``, a permutation of the
+    same nibbles into the ``mma.m16n8k16`` A-fragment order (``cuda/gemm.cu`` documents it).
+
+    On CUDA the repack runs on the tensor's device and stream (the runtime does it once per
+    layer, at its first decode-sized call); on the CPU it is the reference it matches bit
+    for bit.
+    """
+    from .errors import DTypeError, ShapeError
+
+    if not isinstance(qweight, torch.Tensor) or not qweight.is_cuda:
+        return _native.tile_awq(qweight)
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise DTypeError(f"qweight: expected a 2-D int32 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    if n == 0 or n % 16 or k == 0 or k % 64:
+        raise ShapeError(f"qweight: the tile layout needs N % 16 == 0 and K % 64 == 0, got K={k} N={n}")
+    qweight = qweight.contiguous()
+    out = torch.empty(n // 16, k // 64, 32, 4, dtype=torch.int32, device=qweight.device)
+    index = qweight.device.index if qweight.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(qweight.device).cuda_stream
+    _native.w4a16_tile_repack_launch(qweight.data_ptr(), out.data_ptr(), 1, n, k, index, stream)
+    return out
 
 
 def dequantize_awq(

@@ -13,6 +13,10 @@ the activation's device:
   synchronises with the host, so ``torch.cuda.graph`` and ``mode="reduce-overhead"``
   capture it. Kernel plans are cached per shape in Rust (first call per shape compiles or
   loads the kernels and queries occupancy; later calls are a map lookup).
+  Decode-sized calls of :func:`awq_linear` / :class:`AwqLinear` (at most
+  :data:`TILED_MAX_M` rows) run the tiled GEMV instead: the codes are repacked once per
+  layer into the tile layout (:func:`forge.tile_awq`, contiguous per 16 outputs and in
+  tensor-core fragment order) and kept beside the AWQ tensors (:data:`TILED_DECODE`).
   :class:`AwqExperts` with few (token, expert) pairs (decode: up to
   :data:`GROUPED_MAX_PAIRS`) runs each projection as one grouped GEMV over all experts
   (``torch.ops.forge.awq_moe_gemv``): the pairs are sorted by expert on the GPU into a
@@ -34,7 +38,7 @@ from torch import nn
 
 from . import _native
 from .errors import DeviceError, DTypeError, ShapeError
-from .quant import awq_matmul, dequantize_awq, unpack_awq
+from .quant import awq_matmul, dequantize_awq, tile_awq, unpack_awq
 
 __all__ = [
     "AwqLinear",
@@ -128,6 +132,78 @@ def _cuda_gemm(
         _current_stream(index),
     )
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+#: Most tokens (rows of ``x``) the tiled GEMV takes: its MMA's 8 B columns.
+TILED_MAX_M = 8
+#: Whether :func:`awq_linear` (so :class:`AwqLinear`) keeps a tile-layout copy of the codes
+#: (:func:`forge.tile_awq`) for decode-sized CUDA calls (at most :data:`TILED_MAX_M` rows).
+#: The copy is made once per layer, at its first such call outside CUDA-graph capture, and
+#: costs one more ``K·N/2`` bytes of GPU memory per layer (the AWQ tensors stay, for the
+#: larger calls); set this to ``False`` before the first forward to keep memory at one copy.
+TILED_DECODE = True
+
+
+def tiled_ok(in_features: int, out_features: int, group_size: int) -> bool:
+    """Whether the tile layout and its GEMV take this shape: ``N % 16 == 0``,
+    ``G % 64 == 0`` and ``K % G == 0``."""
+    return out_features % 16 == 0 and group_size % 64 == 0 and in_features % group_size == 0
+
+
+def _cuda_gemv_tiled(
+    x: torch.Tensor, qweight_tiled: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """:func:`_cuda_gemm` for at most :data:`TILED_MAX_M` rows with the codes in the tile
+    layout: one launch, no scratch, nothing read back (CUDA-graph safe)."""
+    dev = x.device
+    n, k = scales.shape[-1], qzeros.shape[0] * group_size
+    if x.shape[-1] != k:
+        raise ShapeError(f"x: expected last dim {k} (in_features), got {tuple(x.shape)}")
+    xa = x if x.dtype in _GEMM_DTYPES else x.to(torch.float16)
+    xa = xa.contiguous()
+    if xa.data_ptr() % 16:
+        xa = xa.clone()
+    m = xa.numel() // k
+    y = torch.empty((*x.shape[:-1], n), dtype=xa.dtype, device=dev)
+    if m == 0:
+        return y.to(x.dtype)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    _native.w4a16_tiled_launch(
+        xa.data_ptr(),
+        xa.dtype == torch.bfloat16,
+        m,
+        k,
+        n,
+        group_size,
+        qweight_tiled.data_ptr(),
+        qzeros.data_ptr(),
+        scales.data_ptr(),
+        y.data_ptr(),
+        index,
+        _current_stream(index),
+    )
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _decode_tiles(
+    x: torch.Tensor, qweight: torch.Tensor, group_size: int, cache: dict
+) -> torch.Tensor | None:
+    """The cached tile-layout codes for a decode-sized CUDA call, made on first use (outside
+    graph capture) and remade when ``qweight`` is replaced or modified in place; ``None``
+    where the call goes to the GEMM."""
+    k, n = qweight.shape[0], qweight.shape[1] * PACK
+    if not TILED_DECODE or x.numel() > TILED_MAX_M * k or not tiled_ok(k, n, group_size):
+        return None
+    if qweight.device != x.device:
+        return None  # let the GEMM path name the device mismatch
+    key = (qweight.device, qweight.data_ptr(), qweight._version)
+    entry = cache.get("tiled")
+    if entry is None or entry[0] != key:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        entry = (key, tile_awq(qweight))
+        cache["tiled"] = entry
+    return entry[1]
 
 
 # --------------------------------------------------------------------------- custom op
@@ -361,8 +437,8 @@ def awq_linear(
     """``x (..., K) @ dequant(W).T + bias`` in ``x``'s dtype, on ``x``'s device.
 
     ``cache`` (a dict owned by the caller) keeps the CPU int4pack form (or the dense fallback
-    weight) between calls; it is rebuilt when a buffer is modified in place
-    (``load_state_dict``) or the dtype changes.
+    weight), and on CUDA the tile-layout codes for decode-sized calls, between calls; each is
+    rebuilt when a buffer is modified in place (``load_state_dict``) or the dtype changes.
     """
     k, n = qweight.shape[0], scales.shape[-1]
     if x.shape[-1] != k:
@@ -370,7 +446,12 @@ def awq_linear(
     if torch.compiler.is_compiling():
         y = torch.ops.forge.awq_gemm(x, qweight, qzeros, scales, group_size)
     elif x.is_cuda:
-        y = _cuda_gemm(x, qweight, qzeros, scales, group_size)
+        tiles = None if cache is None else _decode_tiles(x, qweight, group_size, cache)
+        if tiles is not None:
+            _check_device_awq(qweight, qzeros, scales, group_size, x.device, stacked=False)
+            y = _cuda_gemv_tiled(x, tiles, qzeros, scales, group_size)
+        else:
+            y = _cuda_gemm(x, qweight, qzeros, scales, group_size)
     elif x.device.type != "cpu":
         y = torch.ops.forge.awq_gemm(x, qweight, qzeros, scales, group_size)
     elif cpu_int4_supported(k, n, group_size, x.dtype):

@@ -281,6 +281,76 @@ pub fn unpack_awq(
     ))
 }
 
+/// Output features of one tile of the tile layout ([`tile_awq`]).
+pub const TILE_N: usize = 16;
+/// Input features of one chunk of the tile layout ([`tile_awq`]).
+pub const TILE_K: usize = 64;
+
+/// Repacks an AWQ `qweight [K, N/8]` into the tile layout the CUDA tiled GEMV reads
+/// (`cuda/gemm.cu`): `[N/16][K/64][32 lanes][4 steps]` words, where word
+/// `(t, c, lane = 4g + tt, j)` holds in nibble `p` (`r = p & 3`, `e = p >> 2`) the code of
+/// output `n = 16t + g + 8(r & 1)` at input `k = 64c + 16tt + 4j + 2(r >> 1) + e` — lane
+/// `(g, tt)`'s A fragment of `mma.m16n8k16` for step `j` of chunk `c`, with the MMA's k
+/// index permuted inside each step so that lane `tt` reads x at `16tt + 4j .. +3`. A pure
+/// permutation of the nibbles (the word count is unchanged); `N % 16 == 0`, `K % 64 == 0`.
+pub fn tile_awq(qweight: &[i32], k: usize, n: usize) -> Result<Vec<i32>> {
+    if n == 0 || !n.is_multiple_of(TILE_N) {
+        return Err(Error::shape("out_features", "a positive multiple of 16", n));
+    }
+    if k == 0 || !k.is_multiple_of(TILE_K) {
+        return Err(Error::shape("in_features", "a positive multiple of 64", k));
+    }
+    check_len("qweight", qweight.len(), k, n / 8)?;
+    let (nw, chunks) = (n / 8, k / TILE_K);
+    let code = |k: usize, n: usize| -> u32 {
+        (qweight[k * nw + n / 8] as u32 >> (4 * AWQ_REVERSE[n % 8])) & 15
+    };
+    let mut out = vec![0i32; qweight.len()];
+    out.par_chunks_mut(chunks * 128)
+        .enumerate()
+        .for_each(|(t, tile)| {
+            for (i, word) in tile.iter_mut().enumerate() {
+                let (j, lane, c) = (i & 3, (i >> 2) & 31, i >> 7);
+                let (g, tt) = (lane >> 2, lane & 3);
+                let mut w = 0u32;
+                for p in 0..8 {
+                    let (r, e) = (p & 3, p >> 2);
+                    let nn = TILE_N * t + g + 8 * (r & 1);
+                    let kk = TILE_K * c + 16 * tt + 4 * j + 2 * (r >> 1) + e;
+                    w |= code(kk, nn) << (4 * p);
+                }
+                *word = w as i32;
+            }
+        });
+    Ok(out)
+}
+
+/// Inverse of [`tile_awq`]: the AWQ `qweight [K, N/8]` of a tile-layout tensor.
+pub fn untile_awq(tiled: &[i32], k: usize, n: usize) -> Result<Vec<i32>> {
+    if n == 0 || !n.is_multiple_of(TILE_N) || k == 0 || !k.is_multiple_of(TILE_K) {
+        return Err(Error::shape(
+            "tiled shape",
+            "N a positive multiple of 16 and K of 64",
+            format!("N={n} K={k}"),
+        ));
+    }
+    check_len("qweight_tiled", tiled.len(), k, n / 8)?;
+    let (nw, chunks) = (n / 8, k / TILE_K);
+    let mut out = vec![0i32; tiled.len()];
+    for (i, &word) in tiled.iter().enumerate() {
+        let (j, lane, c, t) = (i & 3, (i >> 2) & 31, (i >> 7) % chunks, (i >> 7) / chunks);
+        let (g, tt) = (lane >> 2, lane & 3);
+        for p in 0..8 {
+            let (r, e) = (p & 3, p >> 2);
+            let nn = TILE_N * t + g + 8 * (r & 1);
+            let kk = TILE_K * c + 16 * tt + 4 * j + 2 * (r >> 1) + e;
+            let q = (word as u32 >> (4 * p)) & 15;
+            out[kk * nw + nn / 8] |= (q << (4 * AWQ_REVERSE[nn % 8])) as i32;
+        }
+    }
+    Ok(out)
+}
+
 /// Packs codes (`K × N`) with their grid into the GPTQ v1 layout (`desc_act = false`).
 pub fn pack_gptq(
     codes: &[u8],
@@ -561,6 +631,55 @@ pub fn unpack_gptq(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// The tile layout holds code `q[k][n]` at the word and nibble its documentation names
+    /// (checked one code at a time from an AWQ tensor with a single non-zero code), and
+    /// `untile_awq` inverts it.
+    #[test]
+    fn tile_layout_places_each_code() {
+        let (k, n) = (128usize, 32usize);
+        let nw = n / 8;
+        for (kk, nn) in [
+            (0usize, 0usize),
+            (1, 8),
+            (2, 1),
+            (63, 15),
+            (64, 16),
+            (77, 23),
+            (127, 31),
+        ] {
+            let mut qw = vec![0i32; k * nw];
+            qw[kk * nw + nn / 8] = (9u32 << (4 * AWQ_REVERSE[nn % 8])) as i32;
+            let tiled = tile_awq(&qw, k, n).unwrap();
+            // Invert the documented map: t, c from n and k; then (g, r & 1) from n % 16 and
+            // (tt, j, r >> 1, e) from k % 64.
+            let (t, c, row, kin) = (nn / 16, kk / 64, nn % 16, kk % 64);
+            let (g, r_lo) = (row % 8, row / 8);
+            let (tt, j, r_hi, e) = (kin / 16, (kin % 16) / 4, (kin % 4) / 2, kin % 2);
+            let (lane, p) = (4 * g + tt, (r_lo + 2 * r_hi) + 4 * e);
+            let word = ((t * (k / 64) + c) * 32 + lane) * 4 + j;
+            for (i, &w) in tiled.iter().enumerate() {
+                let want = if i == word { 9u32 << (4 * p) } else { 0 };
+                assert_eq!(w as u32, want, "code at k={kk} n={nn}: word {i}");
+            }
+            assert_eq!(untile_awq(&tiled, k, n).unwrap(), qw);
+        }
+        // A full random tensor round-trips.
+        let mut state = 0x9e3779b9u32;
+        let qw: Vec<i32> = (0..256 * 48 / 8)
+            .map(|_| {
+                state = state.wrapping_mul(1664525).wrapping_add(1013904223);
+                state as i32
+            })
+            .collect();
+        assert_eq!(
+            untile_awq(&tile_awq(&qw, 256, 48).unwrap(), 256, 48).unwrap(),
+            qw
+        );
+        assert!(tile_awq(&qw, 256, 40).is_err()); // wrong length and N % 16
+        assert!(tile_awq(&qw[..(96 * 48 / 8)], 96, 48).is_err()); // K % 64
+        assert!(tile_awq(&qw[..8], 256, 48).is_err()); // too short
+    }
     #[test]
     fn awq_word_order() {
         let v = [0u8, 1, 2, 3, 4, 5, 6, 7];

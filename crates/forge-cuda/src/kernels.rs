@@ -107,6 +107,9 @@ impl Module {
                 "w4a16_gemv3g_bf16_r4",
                 "w4a16_reduce_f16",
                 "w4a16_reduce_bf16",
+                "w4a16_tile_repack",
+                "w4a16_gemv_tiled_f16",
+                "w4a16_gemv_tiled_bf16",
             ],
             Module::Hessian => &[
                 "hessian_accum_f32",

@@ -1107,6 +1107,178 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------
+// (c1) W4A16 GEMV on the tile layout (the AWQ codes repacked once at load time)
+
+/// Most tokens [`w4a16_gemv_tiled`] takes (the MMA's B columns).
+pub const TILED_MAX_M: usize = 8;
+/// The tile layout's divisors: `n % TILE_N == 0`, `k % TILE_K == 0`, `group_size % TILE_K == 0`.
+pub const TILE_N: usize = 16;
+/// See [`TILE_N`].
+pub const TILE_K: usize = 64;
+
+/// The shapes the tile layout (and its GEMV) takes: `n` a positive multiple of [`TILE_N`],
+/// `k` and `group_size` positive multiples of [`TILE_K`], `k` a multiple of `group_size`.
+pub fn tile_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
+    n > 0
+        && n.is_multiple_of(TILE_N)
+        && group_size > 0
+        && group_size.is_multiple_of(TILE_K)
+        && k > 0
+        && k.is_multiple_of(group_size)
+}
+
+fn check_tile_shape(n: usize, k: usize, group_size: usize) -> Result<()> {
+    if tile_shape_ok(n, k, group_size) {
+        return Ok(());
+    }
+    Err(CudaError::arg(
+        "shape",
+        format!("N % {TILE_N} == 0, G % {TILE_K} == 0 and K % G == 0 (all positive)"),
+        format!("N={n} K={k} G={group_size}"),
+    ))
+}
+
+/// Repacks `experts` stacked AWQ `qweight [K, N/8]` matrices (i32, contiguous, 4-byte
+/// aligned) into the tile layout `out` (the same number of words; `cuda/gemm.cu` documents
+/// the layout). Bit-identical to `forge_core::pack::tile_awq`. Needs
+/// `N % 16 == 0` and `K % 64 == 0`.
+///
+/// # Safety
+/// See the module documentation.
+pub unsafe fn w4a16_tile_repack(
+    qweight: u64,
+    out: u64,
+    experts: usize,
+    n: usize,
+    k: usize,
+    s: Stream,
+) -> Result<()> {
+    check_nonzero("experts", experts)?;
+    check_tile_shape(n, k, TILE_K)?;
+    check_align("qweight", qweight, 4)?;
+    check_align("out", out, 16)?;
+    let dev = dev_of(s)?;
+    let f = dev.function("w4a16_tile_repack")?;
+    let words = k * n / 8;
+    let (mut pq, mut po, mut kk, mut nn, mut stride) =
+        (qweight, out, to_i32("k", k)?, to_i32("n", n)?, words as i64);
+    let mut p = args!(pq, po, kk, nn, stride);
+    let grid = (blocks(words, 256)?, to_i32("experts", experts)? as u32, 1);
+    // SAFETY: parameter list matches w4a16_tile_repack; both buffers hold experts·K·N/8 words.
+    unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
+}
+
+/// Arguments of [`w4a16_gemv_tiled`]: `y = x · dequant(W)ᵀ` for `m <= 8` tokens with the
+/// codes in the tile layout ([`w4a16_tile_repack`]) and the zero points and scales as AWQ
+/// stores them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TiledGemv {
+    /// Activations `[M, K]` of `act`, 16-byte aligned.
+    pub x: u64,
+    /// Activation (and output) dtype: F16 or Bf16.
+    pub act: DType,
+    /// Tokens: 1..=[`TILED_MAX_M`].
+    pub m: usize,
+    /// Out features: a positive multiple of [`TILE_N`].
+    pub n: usize,
+    /// In features: a positive multiple of `group_size`.
+    pub k: usize,
+    /// AWQ group size: a positive multiple of [`TILE_K`].
+    pub group_size: usize,
+    /// u32 `[N/16, K/64, 32, 4]` tile-layout codes, 16-byte aligned.
+    pub qweight_tiled: u64,
+    /// i32 `[K/G, N/8]` AWQ-packed zero points, 4-byte aligned.
+    pub qzeros: u64,
+    /// f16 `[K/G, N]` group scales, 2-byte aligned.
+    pub scales: u64,
+    /// Output `[M, N]` of `act`, 2-byte aligned.
+    pub y: u64,
+}
+
+impl TiledGemv {
+    /// Checks dtype, sizes and pointer alignment without touching the driver.
+    pub fn validate(&self) -> Result<()> {
+        if !matches!(self.act, DType::F16 | DType::Bf16) {
+            return Err(CudaError::arg(
+                "act",
+                "F16 or Bf16",
+                format!("{:?}", self.act),
+            ));
+        }
+        if self.m == 0 || self.m > TILED_MAX_M {
+            return Err(CudaError::arg("m", format!("1..={TILED_MAX_M}"), self.m));
+        }
+        check_tile_shape(self.n, self.k, self.group_size)?;
+        to_i32("n", self.n)?;
+        to_i32("k", self.k)?;
+        check_align("x", self.x, 16)?;
+        check_align("qweight_tiled", self.qweight_tiled, 16)?;
+        check_align("qzeros", self.qzeros, 4)?;
+        check_align("scales", self.scales, 2)?;
+        check_align("y", self.y, 2)?;
+        Ok(())
+    }
+}
+
+/// Warps per block of the tiled GEMV (gemm.cu `TILED_MAX_WARPS` is the most).
+fn tiled_warps(sms: usize, tiles: usize, groups: usize) -> usize {
+    static KNOB: OnceLock<Option<usize>> = OnceLock::new();
+    let knob = *KNOB.get_or_init(|| {
+        std::env::var("FORGE_TILED_WARPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    });
+    if let Some(w) = knob {
+        return w.clamp(4, 16);
+    }
+    // The most warps a tile (whole groups each) that keep the grid within ~16 warps a SM.
+    let mut w = 16;
+    while w > 4 && (tiles * w > sms * 16 || groups < w) {
+        w /= 2;
+    }
+    w
+}
+
+/// `y[M, N] = x[M, K] · dequant(W)ᵀ` for `M <= 8` from the tile layout (see [`TiledGemv`]):
+/// one launch, tensor cores with the weights as A, fp32 accumulation, each group's sum scaled
+/// once in fp32 (weights are `(q − z)` exactly, times the f16 scale in fp32). Deterministic.
+///
+/// # Safety
+/// See the module documentation.
+pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
+    a.validate()?;
+    let dev = dev_of(s)?;
+    let f = dev.function(if a.act == DType::F16 {
+        "w4a16_gemv_tiled_f16"
+    } else {
+        "w4a16_gemv_tiled_bf16"
+    })?;
+    let tiles = a.n / TILE_N;
+    let warps = tiled_warps(dev.sm_count.max(1) as usize, tiles, a.k / a.group_size);
+    let (mut px, mut pq, mut pz, mut ps, mut py) = (a.x, a.qweight_tiled, a.qzeros, a.scales, a.y);
+    let (mut mm, mut nn, mut kk, mut g) = (
+        a.m as i32,
+        to_i32("n", a.n)?,
+        to_i32("k", a.k)?,
+        a.group_size as i32,
+    );
+    let mut p = args!(px, pq, pz, ps, py, mm, nn, kk, g);
+    let grid = (blocks(a.n, TILE_N)?, 1, 1);
+    // SAFETY: parameter list matches w4a16_gemv_tiled_<dt>.
+    unsafe {
+        launch(
+            dev,
+            f,
+            grid,
+            ((32 * warps) as u32, 1, 1),
+            0,
+            s.handle,
+            &mut p,
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // (c2) grouped W4A16 GEMV (MoE experts at decode)
 
 /// Rows per segment the grouped GEMV supports (its kernel variants).

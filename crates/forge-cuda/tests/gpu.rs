@@ -424,6 +424,19 @@ fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
     unsafe { ops::w4a16_gemm_awq(&a, S) }.unwrap();
     synchronize(0).unwrap();
     let y: Vec<u16> = dy.download().unwrap();
+    check_w4a16("gemm", act, (m, k, n, g), &xr, &w, &y);
+}
+
+/// Checks a W4A16 output `y [M, N]` against the float64 product of the rounded activations
+/// `xr` and the dequantized weight `w [N, K]`.
+fn check_w4a16(
+    what: &str,
+    act: DType,
+    (m, k, n, g): (usize, usize, usize, usize),
+    xr: &[f32],
+    w: &[f32],
+    y: &[u16],
+) {
     // Tolerance: the weight rounding to the activation dtype plus the output rounding.
     let (wrel, orel) = if act == DType::F16 {
         (2.0f64.powi(-10), 2.0f64.powi(-10))
@@ -446,11 +459,102 @@ fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
             worst = worst.max(err / tol);
             assert!(
                 err <= tol,
-                "gemm {act:?} m{m} k{k} n{n} g{g}: y[{i},{j}] = {got}, want {refv} (tol {tol})"
+                "{what} {act:?} m{m} k{k} n{n} g{g}: y[{i},{j}] = {got}, want {refv} (tol {tol})"
             );
         }
     }
-    eprintln!("gemm {act:?} m={m} k={k} n={n} g={g}: ok (worst err/tol {worst:.3})");
+    eprintln!("{what} {act:?} m={m} k={k} n={n} g={g}: ok (worst err/tol {worst:.3})");
+}
+
+/// The tile repack (bit-identical to `forge_core::pack::tile_awq`) and the tiled GEMV on it
+/// (against the float64 reference; two runs bit-identical).
+fn tiled_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
+    let awq = awq_layer(n, k, g, seed);
+    let mut r = Lcg(seed + 200);
+    let xf: Vec<f32> = (0..m * k).map(|_| r.n()).collect();
+    let (xbits, xr) = activations(act, &xf);
+    let w = forge_core::matmul::dequantize_awq(&awq.qweight, &awq.qzeros, &awq.scales, k, n, g)
+        .unwrap();
+    let qw = DeviceBuf::from_slice(0, &awq.qweight).unwrap();
+    let qt = DeviceBuf::zeroed(0, awq.qweight.len() * 4).unwrap();
+    unsafe { ops::w4a16_tile_repack(qw.ptr(), qt.ptr(), 1, n, k, S) }.unwrap();
+    synchronize(0).unwrap();
+    let tiled: Vec<i32> = qt.download().unwrap();
+    assert_eq!(
+        tiled,
+        forge_core::pack::tile_awq(&awq.qweight, k, n).unwrap(),
+        "tile repack k{k} n{n}"
+    );
+    let dx = DeviceBuf::from_slice(0, &xbits).unwrap();
+    let qz = DeviceBuf::from_slice(0, &awq.qzeros).unwrap();
+    let sc = DeviceBuf::from_slice(0, &awq.scales).unwrap();
+    let dy = DeviceBuf::zeroed(0, m * n * 2).unwrap();
+    let a = ops::TiledGemv {
+        x: dx.ptr(),
+        act,
+        m,
+        n,
+        k,
+        group_size: g,
+        qweight_tiled: qt.ptr(),
+        qzeros: qz.ptr(),
+        scales: sc.ptr(),
+        y: dy.ptr(),
+    };
+    unsafe { ops::w4a16_gemv_tiled(&a, S) }.unwrap();
+    synchronize(0).unwrap();
+    let y: Vec<u16> = dy.download().unwrap();
+    check_w4a16("tiled", act, (m, k, n, g), &xr, &w, &y);
+    unsafe { ops::w4a16_gemv_tiled(&a, S) }.unwrap();
+    synchronize(0).unwrap();
+    assert_eq!(
+        y,
+        dy.download::<u16>().unwrap(),
+        "tiled GEMV not deterministic"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn w4a16_tiled_gemv_matches_cpu() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    let mut seed = 71;
+    for act in [DType::F16, DType::Bf16] {
+        for m in 1..=ops::TILED_MAX_M {
+            // G 64/128/256; 4, 8 and 16 warps a tile; a warp with a ragged share of groups
+            // (7 groups over 4 warps); the smallest N.
+            for (k, n, g) in [
+                (512usize, 256usize, 128usize),
+                (1024, 544, 64),
+                (4096, 2048, 128),
+                (1792, 48, 256),
+                (896, 16, 128),
+            ] {
+                tiled_case(m, k, n, g, act, seed);
+                seed += 1;
+            }
+        }
+    }
+    // Shapes the tile layout does not take are refused before the driver is touched.
+    for (k, n, g) in [
+        (512usize, 24usize, 128usize),
+        (512, 256, 32),
+        (512, 256, 96),
+    ] {
+        let a = ops::TiledGemv {
+            x: 16,
+            act: DType::F16,
+            m: 1,
+            n,
+            k,
+            group_size: g,
+            qweight_tiled: 16,
+            qzeros: 16,
+            scales: 16,
+            y: 16,
+        };
+        assert!(a.validate().is_err(), "k{k} n{n} g{g} accepted");
+    }
 }
 
 #[test]

@@ -426,6 +426,83 @@ pub fn w4a16_launch(
     .map_err(|e| cuda_err(py, e))
 }
 
+/// Repacks `experts` stacked AWQ `qweight [K, N/8]` matrices at `qweight` into the tile
+/// layout at `out` (as many words) on `stream` (see `forge_cuda::ops::w4a16_tile_repack`);
+/// the caller allocates `out` with torch and has checked dtypes, devices and contiguity.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn w4a16_tile_repack_launch(
+    py: Python<'_>,
+    qweight: u64,
+    out: u64,
+    experts: usize,
+    n: usize,
+    k: usize,
+    device: usize,
+    stream: u64,
+) -> PyResult<()> {
+    // SAFETY: the caller passes live device allocations of experts·K·N/8 words on `device`.
+    unsafe {
+        cu::w4a16_tile_repack(
+            qweight,
+            out,
+            experts,
+            n,
+            k,
+            cu::Stream {
+                device,
+                handle: stream,
+            },
+        )
+    }
+    .map_err(|e| cuda_err(py, e))
+}
+
+/// The tiled W4A16 GEMV launch (`M <= 8`, codes in the tile layout; see
+/// `forge_cuda::ops::w4a16_gemv_tiled`), on plain integers like [`w4a16_launch`]: no
+/// workspace, asynchronous, legal under CUDA-graph capture.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn w4a16_tiled_launch(
+    py: Python<'_>,
+    x: u64,
+    bf16: bool,
+    m: usize,
+    k: usize,
+    n: usize,
+    group_size: usize,
+    qweight_tiled: u64,
+    qzeros: u64,
+    scales: u64,
+    y: u64,
+    device: usize,
+    stream: u64,
+) -> PyResult<()> {
+    let args = cu::TiledGemv {
+        x,
+        act: act_dtype(bf16),
+        m,
+        n,
+        k,
+        group_size,
+        qweight_tiled,
+        qzeros,
+        scales,
+        y,
+    };
+    // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
+    unsafe {
+        cu::w4a16_gemv_tiled(
+            &args,
+            cu::Stream {
+                device,
+                handle: stream,
+            },
+        )
+    }
+    .map_err(|e| cuda_err(py, e))
+}
+
 /// Bytes of split-K scratch the grouped MoE GEMV needs (see
 /// `forge_cuda::ops::w4a16_grouped_workspace_bytes`); served from the plan cache after the
 /// first call per shape.

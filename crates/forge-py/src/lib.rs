@@ -21,6 +21,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::quantize_pack_awq, m)?)?;
     m.add_function(wrap_pyfunction!(ops::unpack_awq, m)?)?;
     m.add_function(wrap_pyfunction!(ops::dequantize_awq, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::tile_awq, m)?)?;
     m.add_function(wrap_pyfunction!(ops::awq_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(ops::pack_gptq, m)?)?;
     m.add_function(wrap_pyfunction!(ops::unpack_gptq, m)?)?;
@@ -33,6 +34,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_workspace_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_grouped_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tile_repack_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tiled_launch, m)?)?;
     m.add_function(wrap_pyfunction!(
         cuda_ops::w4a16_grouped_workspace_bytes,
         m

@@ -604,6 +604,22 @@ pub fn unpack_awq<'py>(
     unpack_impl(py, qweight, qzeros, group_size, false)
 }
 
+/// Repacks an AWQ `qweight (K, N/8)` int32 (CPU) into the tile layout of the CUDA tiled
+/// GEMV: int32 `(N/16, K/64, 32, 4)` (see `forge_core::pack::tile_awq`).
+#[pyfunction]
+pub fn tile_awq<'py>(py: Python<'py>, qweight: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let qw = Tensor::extract("qweight", qweight)?;
+    qw.require_cpu()?;
+    qw.require_dtype(&[DType::I32])?;
+    qw.require_ndim(2, "")?;
+    let (k, n) = (qw.shape[0], qw.shape[1] * 8);
+    // SAFETY: int32 checked.
+    let words = unsafe { qw.slice::<i32>() };
+    let out = detach_guarded(py, "tile_awq", || pack::tile_awq(words, k, n))?
+        .map_err(|e| core_err(py, e))?;
+    from_vec(py, &out, &[n / 16, k / 64, 32, 4], DType::I32)
+}
+
 /// Dequantizes an AWQ layer to `W (N, K)` float32.
 #[pyfunction]
 pub fn dequantize_awq<'py>(
