@@ -92,6 +92,19 @@ def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+def _launch_io(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The W4A16 launches' activations and output: ``x`` as a contiguous, 16-byte aligned
+    fp16/bf16 tensor (other dtypes through fp16), an empty ``y (..., n)`` in that dtype, the
+    row count and the CUDA device index."""
+    xa = x if x.dtype in _GEMM_DTYPES else x.to(torch.float16)
+    xa = xa.contiguous()
+    if xa.data_ptr() % 16:  # a view into the middle of a row
+        xa = xa.clone()
+    y = torch.empty((*x.shape[:-1], n), dtype=xa.dtype, device=x.device)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return xa, y, xa.numel() // k, index
+
+
 def _cuda_gemm(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> torch.Tensor:
@@ -103,13 +116,9 @@ def _cuda_gemm(
     if x.shape[-1] != k:
         raise ShapeError(f"x: expected last dim {k} (in_features), got {tuple(x.shape)}")
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
-    xa = x if x.dtype in _GEMM_DTYPES else x.to(torch.float16)
-    xa = xa.contiguous()
-    m = xa.numel() // k
-    y = torch.empty((*x.shape[:-1], n), dtype=xa.dtype, device=dev)
+    xa, y, m, index = _launch_io(x, k, n)
     if m == 0:
         return y.to(x.dtype)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
     key = (index, m, n, k, group_size)
     ws_bytes = _WORKSPACE.get(key)
     if ws_bytes is None:
@@ -155,19 +164,13 @@ def _cuda_gemv_tiled(
 ) -> torch.Tensor:
     """:func:`_cuda_gemm` for at most :data:`TILED_MAX_M` rows with the codes in the tile
     layout: one launch, no scratch, nothing read back (CUDA-graph safe)."""
-    dev = x.device
     n, k = scales.shape[-1], qzeros.shape[0] * group_size
     if x.shape[-1] != k:
         raise ShapeError(f"x: expected last dim {k} (in_features), got {tuple(x.shape)}")
-    xa = x if x.dtype in _GEMM_DTYPES else x.to(torch.float16)
-    xa = xa.contiguous()
-    if xa.data_ptr() % 16:
-        xa = xa.clone()
-    m = xa.numel() // k
-    y = torch.empty((*x.shape[:-1], n), dtype=xa.dtype, device=dev)
+    qzeros, scales = qzeros.contiguous(), scales.contiguous()
+    xa, y, m, index = _launch_io(x, k, n)
     if m == 0:
         return y.to(x.dtype)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
     _native.w4a16_tiled_launch(
         xa.data_ptr(),
         xa.dtype == torch.bfloat16,

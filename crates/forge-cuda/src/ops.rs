@@ -970,6 +970,14 @@ pub fn w4a16_workspace_bytes(
     })
 }
 
+/// The activation dtypes the W4A16 kernels take: F16 or Bf16.
+fn check_act(act: DType) -> Result<()> {
+    if matches!(act, DType::F16 | DType::Bf16) {
+        return Ok(());
+    }
+    Err(CudaError::arg("act", "F16 or Bf16", format!("{act:?}")))
+}
+
 /// The weight shape both W4A16 launches need: `k` a positive multiple of the group size,
 /// `n` a positive multiple of 32.
 fn check_w4a16_shape(n: usize, k: usize, g: usize) -> Result<()> {
@@ -1022,13 +1030,7 @@ impl W4a16Gemm {
     /// Checks dtype, sizes, divisibility and pointer alignment without touching the driver
     /// (the workspace is checked against the shape's plan by the launch, when K is split).
     pub fn validate(&self) -> Result<()> {
-        if !matches!(self.act, DType::F16 | DType::Bf16) {
-            return Err(CudaError::arg(
-                "act",
-                "F16 or Bf16",
-                format!("{:?}", self.act),
-            ));
-        }
+        check_act(self.act)?;
         check_nonzero("m", self.m)?;
         let g = self.group_size;
         if g == 0 || !g.is_multiple_of(32) {
@@ -1198,13 +1200,7 @@ pub struct TiledGemv {
 impl TiledGemv {
     /// Checks dtype, sizes and pointer alignment without touching the driver.
     pub fn validate(&self) -> Result<()> {
-        if !matches!(self.act, DType::F16 | DType::Bf16) {
-            return Err(CudaError::arg(
-                "act",
-                "F16 or Bf16",
-                format!("{:?}", self.act),
-            ));
-        }
+        check_act(self.act)?;
         if self.m == 0 || self.m > TILED_MAX_M {
             return Err(CudaError::arg("m", format!("1..={TILED_MAX_M}"), self.m));
         }
@@ -1351,13 +1347,7 @@ impl GroupedGemv {
 
     /// Checks dtype, sizes, strides and pointer alignment without touching the driver.
     pub fn validate(&self) -> Result<()> {
-        if !matches!(self.act, DType::F16 | DType::Bf16) {
-            return Err(CudaError::arg(
-                "act",
-                "F16 or Bf16",
-                format!("{:?}", self.act),
-            ));
-        }
+        check_act(self.act)?;
         if !GROUPED_ROWS.contains(&self.rows) {
             return Err(CudaError::arg("rows", "1, 2 or 4", self.rows));
         }
