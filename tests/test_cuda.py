@@ -272,6 +272,13 @@ def test_tiled_decode_switch_and_large_calls(monkeypatch):
     y1 = runtime.awq_linear(x, qw, qz, sc, 128, cache=cache)
     assert cache["tiled"][1] is not first and torch.equal(cache["tiled"][1], forge.tile_awq(qw))
     assert not torch.equal(y0, y1)
+    # x as a contiguous view 2 bytes into its storage (not 16-byte aligned): both paths copy it
+    for m in (1, 9):
+        base = torch.randn(m * 512 + 1, device="cuda").half()
+        xv = base[1:].view(m, 512)
+        assert xv.data_ptr() % 16
+        want = runtime.awq_linear(xv.clone(), qw, qz, sc, 128, cache=cache)
+        assert torch.equal(runtime.awq_linear(xv, qw, qz, sc, 128, cache=cache), want)
 
 
 @pytest.mark.parametrize("act_order", [False, True])
