@@ -982,11 +982,11 @@ extern "C" __global__ void w4a16_tile_repack(const u32* qw, u32* out, int K, int
 }
 
 // GEMV on the tile layout, M <= 8 tokens (B columns; lanes past M read row M-1 and their
-// outputs are dropped). Block = one 16-output tile, WB warps on contiguous runs of whole
-// groups (G % 64 == 0), each keeping TILED_RING chunks of weights in flight; per group
-// the fresh fp32 accumulators are scaled once (y += s·Σ (q − z)·x, (q − z) exact in bf16/f16)
-// and the warps are summed in a fixed order through shared memory: one launch, no split-K
-// workspace, deterministic.
+// outputs are dropped). Block = one 16-output tile, its 4, 8 or 16 warps on contiguous runs
+// of whole groups (G % 64 == 0), each keeping RING = 4 chunks of weights and their x in
+// flight; per group the fresh fp32 accumulators are scaled once (y += s·Σ (q − z)·x, with
+// (q − z) exact in bf16/f16 and the f16 scale exact in fp32) and the warps are summed in a
+// fixed order through shared memory: one launch, no split-K workspace, deterministic.
 #define TILED_MAX_WARPS 16
 
 // Per-warp state of the tiled GEMV: lane (g, tt) owns outputs 16t + g and 16t + g + 8 of
