@@ -88,54 +88,49 @@ def bench_gemm(rows, bw):
     for k, n in SHAPES:
         w, _, (qw, qz, sc) = awq_weights(k, n)
         # tinygemm wants its own packing of the same 4-bit weights
-        codes = forge.unpack_awq(qw, qz, G)[0].t().contiguous()  # (N, K) uint8
+        codes, zeros = forge.unpack_awq(qw, qz, G)  # (K, N), (K/G, N) uint8
+        codes = codes.t().contiguous()  # (N, K)
         w_int4 = torch.ops.aten._convert_weight_to_int4pack(
             (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), 8
         )
-        zeros = forge.unpack_awq(qw, qz, G)[1].to(torch.bfloat16)
         s = sc.to(torch.bfloat16)
         # tinygemm: w = (q - 8) * s + zp  ->  zp = (8 - z) * s
-        sz = torch.stack([s, (8 - zeros) * s], dim=-1).contiguous()  # (K/G, N, 2)
+        sz = torch.stack([s, (8 - zeros.to(torch.bfloat16)) * s], dim=-1).contiguous()  # (K/G, N, 2)
         limit = (qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2) / bw
+        deq_t = forge.dequantize_awq(qw, qz, sc, G).t()  # once a shape, not once an M
         for m in (1, 4, 8, 16, 64, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf16 = graph_time(lambda x=x: x @ w.t())
             t_tiny = graph_time(lambda x=x: torch.ops.aten._weight_int4pack_mm(x, w_int4, G, sz))
-            t_ours = graph_time(lambda x=x: forge.awq_matmul(x, qw, qz, sc, G))
-            ref = x.float() @ forge.dequantize_awq(qw, qz, sc, G).t()
-            err = rel_err(forge.awq_matmul(x, qw, qz, sc, G), ref)
-            rows.add(
-                "w4a16_gemm",
-                f"K={k} N={n}",
-                "bf16 cuBLAS",
-                t_bf16,
-                t_ours,
-                M=m,
-                limit_pct=100 * limit / t_ours,
-                vs_tinygemm=t_tiny / t_ours,
-                tinygemm_us=t_tiny * 1e6,
-                rel_err=err,
-            )
-            if m > runtime.TILED_MAX_M:
-                continue
-            # decode through the runtime: the tiled GEMV on the tile-layout copy it caches
+            ref = x.float() @ deq_t
+            # (row name, seconds a call, output): the GEMM, and at decode sizes the runtime's
+            # tiled GEMV on the tile-layout copy it caches
+            runs = [
+                (
+                    "w4a16_gemm",
+                    graph_time(lambda x=x: forge.awq_matmul(x, qw, qz, sc, G)),
+                    forge.awq_matmul(x, qw, qz, sc, G),
+                )
+            ]
             cache: dict = {}
-            y = runtime.awq_linear(x, qw, qz, sc, G, cache=cache)
-            if "tiled" not in cache:
-                continue
-            t_tiled = graph_time(lambda x=x, cache=cache: runtime.awq_linear(x, qw, qz, sc, G, cache=cache))
-            rows.add(
-                "w4a16_gemv_tiled",
-                f"K={k} N={n}",
-                "bf16 cuBLAS",
-                t_bf16,
-                t_tiled,
-                M=m,
-                limit_pct=100 * limit / t_tiled,
-                vs_tinygemm=t_tiny / t_tiled,
-                tinygemm_us=t_tiny * 1e6,
-                rel_err=rel_err(y, ref),
-            )
+            if m <= runtime.TILED_MAX_M:
+                y = runtime.awq_linear(x, qw, qz, sc, G, cache=cache)
+                if "tiled" in cache:
+                    t = graph_time(lambda x=x, cache=cache: runtime.awq_linear(x, qw, qz, sc, G, cache=cache))
+                    runs.append(("w4a16_gemv_tiled", t, y))
+            for op, t, y in runs:
+                rows.add(
+                    op,
+                    f"K={k} N={n}",
+                    "bf16 cuBLAS",
+                    t_bf16,
+                    t,
+                    M=m,
+                    limit_pct=100 * limit / t,
+                    vs_tinygemm=t_tiny / t,
+                    tinygemm_us=t_tiny * 1e6,
+                    rel_err=rel_err(y, ref),
+                )
 
 
 def bench_pack(rows, bw):

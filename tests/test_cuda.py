@@ -236,7 +236,7 @@ def test_tiled_gemv_close_to_reference(act, m, k, n, group):
     cache: dict = {}
     y = runtime.awq_linear(x.cuda(), qw, qz, sc, group, cache=cache)
     assert "tiled" in cache, "the decode-sized call did not take the tiled GEMV"
-    assert torch.equal(cache["tiled"][1], forge.tile_awq(qw))
+    assert torch.equal(cache["tiled"][1].cpu(), forge.tile_awq(qw.cpu()))  # the CPU reference
     assert y.dtype == act and y.shape == (m, n)
     err = float((y.double().cpu() - ref).abs().max() / ref.abs().max())
     assert err < awq_matmul_tol(act), err
@@ -270,7 +270,7 @@ def test_tiled_decode_switch_and_large_calls(monkeypatch):
     first = cache["tiled"][1]
     qw.bitwise_xor_(0x11111111)
     y1 = runtime.awq_linear(x, qw, qz, sc, 128, cache=cache)
-    assert cache["tiled"][1] is not first and torch.equal(cache["tiled"][1], forge.tile_awq(qw))
+    assert cache["tiled"][1] is not first and torch.equal(cache["tiled"][1].cpu(), forge.tile_awq(qw.cpu()))
     assert not torch.equal(y0, y1)
     # x as a contiguous view 2 bytes into its storage (not 16-byte aligned): both paths copy it
     for m in (1, 9):

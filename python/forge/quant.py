@@ -504,7 +504,7 @@ def tile_awq(qweight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n // 16, k // 64, 32, 4, dtype=torch.int32, device=qweight.device)
     index = qweight.device.index if qweight.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(qweight.device).cuda_stream
-    _native.w4a16_tile_repack_launch(qweight.data_ptr(), out.data_ptr(), 1, n, k, index, stream)
+    _native.w4a16_tile_repack_launch(qweight.data_ptr(), out.data_ptr(), n, k, index, stream)
     return out
 
 

@@ -160,11 +160,17 @@ def tiled_ok(in_features: int, out_features: int, group_size: int) -> bool:
 
 
 def _cuda_gemv_tiled(
-    x: torch.Tensor, qweight_tiled: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qweight_tiled: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
 ) -> torch.Tensor:
-    """:func:`_cuda_gemm` for at most :data:`TILED_MAX_M` rows with the codes in the tile
-    layout: one launch, no scratch, nothing read back (CUDA-graph safe)."""
-    n, k = scales.shape[-1], qzeros.shape[0] * group_size
+    """:func:`_cuda_gemm` for at most :data:`TILED_MAX_M` rows, reading the codes from
+    ``qweight_tiled`` (:func:`forge.tile_awq` of ``qweight``, which names the shape): one
+    launch, no scratch, nothing read back (CUDA-graph safe)."""
+    _, k, n = _check_device_awq(qweight, qzeros, scales, group_size, x.device, stacked=False)
     if x.shape[-1] != k:
         raise ShapeError(f"x: expected last dim {k} (in_features), got {tuple(x.shape)}")
     qzeros, scales = qzeros.contiguous(), scales.contiguous()
@@ -451,8 +457,7 @@ def awq_linear(
     elif x.is_cuda:
         tiles = None if cache is None else _decode_tiles(x, qweight, group_size, cache)
         if tiles is not None:
-            _check_device_awq(qweight, qzeros, scales, group_size, x.device, stacked=False)
-            y = _cuda_gemv_tiled(x, tiles, qzeros, scales, group_size)
+            y = _cuda_gemv_tiled(x, qweight, tiles, qzeros, scales, group_size)
         else:
             y = _cuda_gemm(x, qweight, qzeros, scales, group_size)
     elif x.device.type != "cpu":

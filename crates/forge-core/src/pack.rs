@@ -286,6 +286,17 @@ pub const TILE_N: usize = 16;
 /// Input features of one chunk of the tile layout ([`tile_awq`]).
 pub const TILE_K: usize = 64;
 
+/// Where nibble `p` of tile-layout word `i` (of a tensor with `chunks = K/64`) comes from:
+/// `(k, n)` of the AWQ code. The layout's one definition; see [`tile_awq`].
+fn tile_source(i: usize, chunks: usize, p: usize) -> (usize, usize) {
+    let (j, lane, c, t) = (i & 3, (i >> 2) & 31, (i >> 7) % chunks, (i >> 7) / chunks);
+    let (g, tt, r, e) = (lane >> 2, lane & 3, p & 3, p >> 2);
+    (
+        TILE_K * c + 16 * tt + 4 * j + 2 * (r >> 1) + e,
+        TILE_N * t + g + 8 * (r & 1),
+    )
+}
+
 /// Repacks an AWQ `qweight [K, N/8]` into the tile layout the CUDA tiled GEMV reads
 /// (`cuda/gemm.cu`): `[N/16][K/64][32 lanes][4 steps]` words, where word
 /// `(t, c, lane = 4g + tt, j)` holds in nibble `p` (`r = p & 3`, `e = p >> 2`) the code of
@@ -302,52 +313,20 @@ pub fn tile_awq(qweight: &[i32], k: usize, n: usize) -> Result<Vec<i32>> {
     }
     check_len("qweight", qweight.len(), k, n / 8)?;
     let (nw, chunks) = (n / 8, k / TILE_K);
-    let code = |k: usize, n: usize| -> u32 {
-        (qweight[k * nw + n / 8] as u32 >> (4 * AWQ_REVERSE[n % 8])) & 15
-    };
     let mut out = vec![0i32; qweight.len()];
     out.par_chunks_mut(chunks * 128)
         .enumerate()
         .for_each(|(t, tile)| {
             for (i, word) in tile.iter_mut().enumerate() {
-                let (j, lane, c) = (i & 3, (i >> 2) & 31, i >> 7);
-                let (g, tt) = (lane >> 2, lane & 3);
                 let mut w = 0u32;
                 for p in 0..8 {
-                    let (r, e) = (p & 3, p >> 2);
-                    let nn = TILE_N * t + g + 8 * (r & 1);
-                    let kk = TILE_K * c + 16 * tt + 4 * j + 2 * (r >> 1) + e;
-                    w |= code(kk, nn) << (4 * p);
+                    let (kk, nn) = tile_source(t * chunks * 128 + i, chunks, p);
+                    let q = (qweight[kk * nw + nn / 8] as u32 >> (4 * AWQ_REVERSE[nn % 8])) & 15;
+                    w |= q << (4 * p);
                 }
                 *word = w as i32;
             }
         });
-    Ok(out)
-}
-
-/// Inverse of [`tile_awq`]: the AWQ `qweight [K, N/8]` of a tile-layout tensor.
-pub fn untile_awq(tiled: &[i32], k: usize, n: usize) -> Result<Vec<i32>> {
-    if n == 0 || !n.is_multiple_of(TILE_N) || k == 0 || !k.is_multiple_of(TILE_K) {
-        return Err(Error::shape(
-            "tiled shape",
-            "N a positive multiple of 16 and K of 64",
-            format!("N={n} K={k}"),
-        ));
-    }
-    check_len("qweight_tiled", tiled.len(), k, n / 8)?;
-    let (nw, chunks) = (n / 8, k / TILE_K);
-    let mut out = vec![0i32; tiled.len()];
-    for (i, &word) in tiled.iter().enumerate() {
-        let (j, lane, c, t) = (i & 3, (i >> 2) & 31, (i >> 7) % chunks, (i >> 7) / chunks);
-        let (g, tt) = (lane >> 2, lane & 3);
-        for p in 0..8 {
-            let (r, e) = (p & 3, p >> 2);
-            let nn = TILE_N * t + g + 8 * (r & 1);
-            let kk = TILE_K * c + 16 * tt + 4 * j + 2 * (r >> 1) + e;
-            let q = (word as u32 >> (4 * p)) & 15;
-            out[kk * nw + nn / 8] |= (q << (4 * AWQ_REVERSE[nn % 8])) as i32;
-        }
-    }
     Ok(out)
 }
 
@@ -632,6 +611,20 @@ pub fn unpack_gptq(
 mod tests {
     use super::*;
 
+    /// Inverse of [`tile_awq`] (for the round trip below).
+    fn untile_awq(tiled: &[i32], k: usize, n: usize) -> Vec<i32> {
+        let (nw, chunks) = (n / 8, k / TILE_K);
+        let mut out = vec![0i32; tiled.len()];
+        for (i, &word) in tiled.iter().enumerate() {
+            for p in 0..8 {
+                let (kk, nn) = tile_source(i, chunks, p);
+                let q = (word as u32 >> (4 * p)) & 15;
+                out[kk * nw + nn / 8] |= (q << (4 * AWQ_REVERSE[nn % 8])) as i32;
+            }
+        }
+        out
+    }
+
     /// The tile layout holds code `q[k][n]` at the word and nibble its documentation names
     /// (checked one code at a time from an AWQ tensor with a single non-zero code), and
     /// `untile_awq` inverts it.
@@ -662,7 +655,7 @@ mod tests {
                 let want = if i == word { 9u32 << (4 * p) } else { 0 };
                 assert_eq!(w as u32, want, "code at k={kk} n={nn}: word {i}");
             }
-            assert_eq!(untile_awq(&tiled, k, n).unwrap(), qw);
+            assert_eq!(untile_awq(&tiled, k, n), qw);
         }
         // A full random tensor round-trips.
         let mut state = 0x9e3779b9u32;
@@ -672,10 +665,7 @@ mod tests {
                 state as i32
             })
             .collect();
-        assert_eq!(
-            untile_awq(&tile_awq(&qw, 256, 48).unwrap(), 256, 48).unwrap(),
-            qw
-        );
+        assert_eq!(untile_awq(&tile_awq(&qw, 256, 48).unwrap(), 256, 48), qw);
         assert!(tile_awq(&qw, 256, 40).is_err()); // wrong length and N % 16
         assert!(tile_awq(&qw[..(96 * 48 / 8)], 96, 48).is_err()); // K % 64
         assert!(tile_awq(&qw[..8], 256, 48).is_err()); // too short

@@ -1113,10 +1113,9 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
 
 /// Most tokens [`w4a16_gemv_tiled`] takes (the MMA's B columns).
 pub const TILED_MAX_M: usize = 8;
-/// The tile layout's divisors: `n % TILE_N == 0`, `k % TILE_K == 0`, `group_size % TILE_K == 0`.
-pub const TILE_N: usize = 16;
-/// See [`TILE_N`].
-pub const TILE_K: usize = 64;
+/// The tile layout's divisors (`forge_core::pack::tile_awq`): `n % TILE_N == 0`,
+/// `k % TILE_K == 0`, and here `group_size % TILE_K == 0`.
+pub use forge_core::pack::{TILE_K, TILE_N};
 
 /// The shapes the tile layout (and its GEMV) takes: `n` a positive multiple of [`TILE_N`],
 /// `k` and `group_size` positive multiples of [`TILE_K`], `k` a multiple of `group_size`.
@@ -1140,22 +1139,19 @@ fn check_tile_shape(n: usize, k: usize, group_size: usize) -> Result<()> {
     ))
 }
 
-/// Repacks `experts` stacked AWQ `qweight [K, N/8]` matrices (i32, contiguous, 4-byte
-/// aligned) into the tile layout `out` (the same number of words; `cuda/gemm.cu` documents
-/// the layout). Bit-identical to `forge_core::pack::tile_awq`. Needs
-/// `N % 16 == 0` and `K % 64 == 0`.
+/// Repacks an AWQ `qweight [K, N/8]` (i32, contiguous, 4-byte aligned) into the tile layout
+/// `out` (the same number of words; `cuda/gemm.cu` documents the layout). Bit-identical to
+/// `forge_core::pack::tile_awq`. Needs `N % 16 == 0` and `K % 64 == 0`.
 ///
 /// # Safety
 /// See the module documentation.
 pub unsafe fn w4a16_tile_repack(
     qweight: u64,
     out: u64,
-    experts: usize,
     n: usize,
     k: usize,
     s: Stream,
 ) -> Result<()> {
-    check_nonzero("experts", experts)?;
     check_tile_shape(n, k, TILE_K)?;
     check_align("qweight", qweight, 4)?;
     check_align("out", out, 16)?;
@@ -1165,8 +1161,9 @@ pub unsafe fn w4a16_tile_repack(
     let (mut pq, mut po, mut kk, mut nn, mut stride) =
         (qweight, out, to_i32("k", k)?, to_i32("n", n)?, words as i64);
     let mut p = args!(pq, po, kk, nn, stride);
-    let grid = (blocks(words, 256)?, to_i32("experts", experts)? as u32, 1);
-    // SAFETY: parameter list matches w4a16_tile_repack; both buffers hold experts·K·N/8 words.
+    // One matrix: grid y = 1 (the kernel can walk a stack of them, `stride` words apart).
+    let grid = (blocks(words, 256)?, 1, 1);
+    // SAFETY: parameter list matches w4a16_tile_repack; both buffers hold K·N/8 words.
     unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
 }
 

@@ -477,7 +477,7 @@ fn tiled_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
         .unwrap();
     let qw = DeviceBuf::from_slice(0, &awq.qweight).unwrap();
     let qt = DeviceBuf::zeroed(0, awq.qweight.len() * 4).unwrap();
-    unsafe { ops::w4a16_tile_repack(qw.ptr(), qt.ptr(), 1, n, k, S) }.unwrap();
+    unsafe { ops::w4a16_tile_repack(qw.ptr(), qt.ptr(), n, k, S) }.unwrap();
     synchronize(0).unwrap();
     let tiled: Vec<i32> = qt.download().unwrap();
     assert_eq!(

@@ -426,27 +426,24 @@ pub fn w4a16_launch(
     .map_err(|e| cuda_err(py, e))
 }
 
-/// Repacks `experts` stacked AWQ `qweight [K, N/8]` matrices at `qweight` into the tile
-/// layout at `out` (as many words) on `stream` (see `forge_cuda::ops::w4a16_tile_repack`);
-/// the caller allocates `out` with torch and has checked dtypes, devices and contiguity.
+/// Repacks the AWQ `qweight [K, N/8]` at `qweight` into the tile layout at `out` (as many
+/// words) on `stream` (see `forge_cuda::ops::w4a16_tile_repack`); the caller allocates `out`
+/// with torch and has checked dtypes, devices and contiguity.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
 pub fn w4a16_tile_repack_launch(
     py: Python<'_>,
     qweight: u64,
     out: u64,
-    experts: usize,
     n: usize,
     k: usize,
     device: usize,
     stream: u64,
 ) -> PyResult<()> {
-    // SAFETY: the caller passes live device allocations of experts·K·N/8 words on `device`.
+    // SAFETY: the caller passes live device allocations of K·N/8 words on `device`.
     unsafe {
         cu::w4a16_tile_repack(
             qweight,
             out,
-            experts,
             n,
             k,
             cu::Stream {
