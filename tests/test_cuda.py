@@ -256,7 +256,8 @@ def test_tiled_decode_switch_and_large_calls(monkeypatch):
     qz = torch.randint(-(2**31), 2**31, (4, 32), dtype=torch.int64).to(torch.int32).cuda()
     sc = (torch.rand(4, 256) * 0.01 + 1e-3).half().cuda()
     cache: dict = {}
-    runtime.awq_linear(torch.randn(9, 512, device="cuda").half(), qw, qz, sc, 128, cache=cache)
+    past = runtime.TILED_MAX_M + 1
+    runtime.awq_linear(torch.randn(past, 512, device="cuda").half(), qw, qz, sc, 128, cache=cache)
     assert "tiled" not in cache
     qz32, sc32 = qz.repeat(4, 1), sc.repeat(4, 1)  # the same codes in groups of 32
     runtime.awq_linear(torch.randn(1, 512, device="cuda").half(), qw, qz32, sc32, 32, cache=cache)
@@ -273,7 +274,7 @@ def test_tiled_decode_switch_and_large_calls(monkeypatch):
     assert cache["tiled"][1] is not first and torch.equal(cache["tiled"][1].cpu(), forge.tile_awq(qw.cpu()))
     assert not torch.equal(y0, y1)
     # x as a contiguous view 2 bytes into its storage (not 16-byte aligned): both paths copy it
-    for m in (1, 9):
+    for m in (1, past):
         base = torch.randn(m * 512 + 1, device="cuda").half()
         xv = base[1:].view(m, 512)
         assert xv.data_ptr() % 16

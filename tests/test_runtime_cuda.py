@@ -13,7 +13,7 @@ Tolerances:
   the last place of the 16-bit type relative to max |y| (2**-7 bf16, 2**-10 fp16); the GEMM
   is the same kernel, only the fused bias add may round differently.
 
-Eager calls of at most 8 rows run the tiled GEMV on the layer's cached tile-layout copy
+Eager calls of at most 16 rows (TILED_MAX_M) run the tiled GEMV on the layer's cached tile-layout copy
 (forge.runtime.TILED_DECODE; checked against float64 in test_cuda.py), which does not round
 the dequantized weights: they are held to the same reference bounds, and compared bit for
 bit only with themselves (graph replay against eager), not with the GEMM.
@@ -35,6 +35,7 @@ import torch
 from test_runtime import ref_weight  # the CPU tests' plain-torch unpacker (device-agnostic)
 
 import forge
+from forge import runtime
 from forge.runtime import AwqExperts, AwqLinear
 
 pytestmark = [
@@ -88,7 +89,7 @@ def test_awq_linear_matches_dequant_matmul(lead, k, n, group, dtype):
     # decode-sized calls run the tiled GEMV (forge.runtime.TILED_DECODE) and the op the GEMM
     y_op = torch.ops.forge.awq_gemm(x, mod.qweight, mod.qzeros, mod.scales, group) + mod.bias.to(dtype)
     if "tiled" in mod._cache:
-        assert x.numel() <= 8 * k and rel_err(y_op, ref) < TOL[dtype]
+        assert x.numel() <= runtime.TILED_MAX_M * k and rel_err(y_op, ref) < TOL[dtype]
     else:
         assert torch.equal(y_op, y)
 

@@ -143,8 +143,8 @@ def _cuda_gemm(
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-#: Most tokens (rows of ``x``) the tiled GEMV takes: its MMA's 8 B columns.
-TILED_MAX_M = 8
+#: Most tokens (rows of ``x``) the tiled GEMV takes: two 8-token tiles of its MMA's B columns.
+TILED_MAX_M = _native.TILED_MAX_M
 #: Whether :func:`awq_linear` (so :class:`AwqLinear`) keeps a tile-layout copy of the codes
 #: (:func:`forge.tile_awq`) for decode-sized CUDA calls (at most :data:`TILED_MAX_M` rows).
 #: The copy is made once per layer, at its first such call outside CUDA-graph capture, and

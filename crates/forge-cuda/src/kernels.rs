@@ -110,6 +110,8 @@ impl Module {
                 "w4a16_tile_repack",
                 "w4a16_gemv_tiled_f16",
                 "w4a16_gemv_tiled_bf16",
+                "w4a16_gemv_tiled16_f16",
+                "w4a16_gemv_tiled16_bf16",
             ],
             Module::Hessian => &[
                 "hessian_accum_f32",

@@ -1111,8 +1111,8 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
 // ---------------------------------------------------------------------------------------
 // (c1) W4A16 GEMV on the tile layout (the AWQ codes repacked once at load time)
 
-/// Most tokens [`w4a16_gemv_tiled`] takes (the MMA's B columns).
-pub const TILED_MAX_M: usize = 8;
+/// Most tokens [`w4a16_gemv_tiled`] takes: two 8-token tiles of the MMA's B columns.
+pub const TILED_MAX_M: usize = 16;
 /// The tile layout's divisors (`forge_core::pack::tile_awq`): `n % TILE_N == 0`,
 /// `k % TILE_K == 0`, and here `group_size % TILE_K == 0`.
 pub use forge_core::pack::{TILE_K, TILE_N};
@@ -1167,7 +1167,7 @@ pub unsafe fn w4a16_tile_repack(
     unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
 }
 
-/// Arguments of [`w4a16_gemv_tiled`]: `y = x · dequant(W)ᵀ` for `m <= 8` tokens with the
+/// Arguments of [`w4a16_gemv_tiled`]: `y = x · dequant(W)ᵀ` for `m <= 16` tokens with the
 /// codes in the tile layout ([`w4a16_tile_repack`]) and the zero points and scales as AWQ
 /// stores them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1232,8 +1232,8 @@ fn tiled_warps(sms: usize, tiles: usize, groups: usize) -> usize {
     w
 }
 
-/// `y[M, N] = x[M, K] · dequant(W)ᵀ` for `M <= 8` from the tile layout (see [`TiledGemv`]):
-/// one launch, tensor cores with the weights as A, fp32 accumulation, each group's sum scaled
+/// `y[M, N] = x[M, K] · dequant(W)ᵀ` for `M <= 16` from the tile layout (see [`TiledGemv`]):
+/// one launch (M > 8: each dequantized weight fragment serves both 8-token tiles), tensor cores with the weights as A, fp32 accumulation, each group's sum scaled
 /// once in fp32 (weights are `(q − z)` exactly, times the f16 scale in fp32). Deterministic.
 ///
 /// # Safety
@@ -1241,10 +1241,11 @@ fn tiled_warps(sms: usize, tiles: usize, groups: usize) -> usize {
 pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
     a.validate()?;
     let dev = dev_of(s)?;
-    let f = dev.function(if a.act == DType::F16 {
-        "w4a16_gemv_tiled_f16"
-    } else {
-        "w4a16_gemv_tiled_bf16"
+    let f = dev.function(match (a.act == DType::F16, a.m > 8) {
+        (true, false) => "w4a16_gemv_tiled_f16",
+        (false, false) => "w4a16_gemv_tiled_bf16",
+        (true, true) => "w4a16_gemv_tiled16_f16",
+        (false, true) => "w4a16_gemv_tiled16_bf16",
     })?;
     let tiles = a.n / TILE_N;
     let warps = tiled_warps(dev.sm_count.max(1) as usize, tiles, a.k / a.group_size);

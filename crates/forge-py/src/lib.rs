@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("TILED_MAX_M", forge_cuda::ops::TILED_MAX_M)?;
     m.add_function(wrap_pyfunction!(ops::build_quant_grid, m)?)?;
     m.add_function(wrap_pyfunction!(ops::quantize_rtn, m)?)?;
     m.add_function(wrap_pyfunction!(ops::encode_qmeta, m)?)?;
