@@ -262,6 +262,8 @@ def test_awq_experts_grouped_matches_reference(tokens, top_k, dtype, monkeypatch
     # same as the per-expert loop (other kernels: within the same bound)
     monkeypatch.setattr("forge.runtime.GROUPED_MAX_PAIRS", 0)
     assert rel_err(mod(x, idx, w), ref_moe(mod, x, idx, w)) < 2 * TOL[dtype]
+    # the per-expert path (prefill) keeps no second, tile-layout copy of any expert
+    assert mod._caches and not any("tiled" in c for c in mod._caches.values())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])

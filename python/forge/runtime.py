@@ -442,12 +442,14 @@ def awq_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
     cache: dict | None = None,
+    decode_tiles: bool = True,
 ) -> torch.Tensor:
     """``x (..., K) @ dequant(W).T + bias`` in ``x``'s dtype, on ``x``'s device.
 
     ``cache`` (a dict owned by the caller) keeps the CPU int4pack form (or the dense fallback
-    weight), and on CUDA the tile-layout codes for decode-sized calls, between calls; each is
-    rebuilt when a buffer is modified in place (``load_state_dict``) or the dtype changes.
+    weight), and on CUDA the tile-layout codes for decode-sized calls (unless
+    ``decode_tiles`` is false, or :data:`TILED_DECODE`), between calls; each is rebuilt when a
+    buffer is modified in place (``load_state_dict``) or the dtype changes.
     """
     k, n = qweight.shape[0], scales.shape[-1]
     if x.shape[-1] != k:
@@ -455,7 +457,7 @@ def awq_linear(
     if torch.compiler.is_compiling():
         y = torch.ops.forge.awq_gemm(x, qweight, qzeros, scales, group_size)
     elif x.is_cuda:
-        tiles = None if cache is None else _decode_tiles(x, qweight, group_size, cache)
+        tiles = None if cache is None or not decode_tiles else _decode_tiles(x, qweight, group_size, cache)
         if tiles is not None:
             y = _cuda_gemv_tiled(x, qweight, tiles, qzeros, scales, group_size)
         else:
@@ -655,6 +657,9 @@ class AwqExperts(nn.Module):
         if not getattr(self, f"quantized_{which}"):
             return nn.functional.linear(x, getattr(self, f"{which}_proj")[e].to(x.dtype))
         cache = self._caches.setdefault((which, e), {})
+        # No tile-layout copies of experts: the per-expert path runs prefill, where most
+        # experts see few tokens, and a copy each would double the experts' memory (decode
+        # takes the grouped GEMV on the AWQ tensors).
         return awq_linear(
             x,
             getattr(self, f"{which}_qweight")[e],
@@ -662,6 +667,7 @@ class AwqExperts(nn.Module):
             getattr(self, f"{which}_scales")[e],
             self.group_size,
             cache=cache,
+            decode_tiles=False,
         )
 
     def _grouped_ok(self, hidden_states: torch.Tensor, pairs: int) -> bool:
