@@ -1172,16 +1172,18 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     }
 }
 
-#define FORGE_GEMV_TILED_ENTRY(NAME, BF, RW, RX, NT)                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * TILED_MAX_WARPS)                                       \
-        NAME(const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) { \
-        w4a16_gemv_tiled_impl<BF, RW, RX, NT>(x, qt, qz, sc, y, M, N, K, G);                                  \
+// M <= 8 (w4a16_gemv_tiled_*): 4 chunks of weights and x in flight a warp (118 registers): on
+// an H100 as fast as 2 on 7168x18432 and 0.2 µs faster on 2048x7168 (README). 8 < M <= 16
+// (w4a16_gemv_tiled16_*): two token tiles share each A fragment, 3 chunks of each in flight
+// (118 registers; 2: 100 registers, 53 against 45.5 µs on 7168x18432 at M = 16 on an H100).
+#define FORGE_GEMV_TILED_ENTRY(SUF, BF)                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * TILED_MAX_WARPS) w4a16_gemv_tiled_##SUF(                  \
+        const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) {       \
+        w4a16_gemv_tiled_impl<BF, 4, 4, 1>(x, qt, qz, sc, y, M, N, K, G);                                       \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * TILED_MAX_WARPS) w4a16_gemv_tiled16_##SUF(                \
+        const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) {       \
+        w4a16_gemv_tiled_impl<BF, 3, 3, 2>(x, qt, qz, sc, y, M, N, K, G);                                       \
     }
-// M <= 8: 4 chunks in flight a warp (118 registers): on an H100 as fast as 2 on 7168x18432 and
-// 0.2 µs faster on 2048x7168 (README).
-FORGE_GEMV_TILED_ENTRY(w4a16_gemv_tiled_f16, false, 4, 4, 1)
-FORGE_GEMV_TILED_ENTRY(w4a16_gemv_tiled_bf16, true, 4, 4, 1)
-// 8 < M <= 16: two token tiles share each A fragment; 3 chunks in flight (118 registers; 2:
-// 100 registers, 53 against 45.5 µs on 7168x18432 at M = 16 on an H100).
-FORGE_GEMV_TILED_ENTRY(w4a16_gemv_tiled16_f16, false, 3, 3, 2)
-FORGE_GEMV_TILED_ENTRY(w4a16_gemv_tiled16_bf16, true, 3, 3, 2)
+FORGE_GEMV_TILED_ENTRY(f16, false)
+FORGE_GEMV_TILED_ENTRY(bf16, true)
