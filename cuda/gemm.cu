@@ -938,6 +938,66 @@ FORGE_GEMV3G_ENTRY(bf16, 1, 2, true, 4)
 FORGE_GEMV3G_ENTRY(bf16, 2, 2, true, 2)
 FORGE_GEMV3G_ENTRY(bf16, 4, 1, true, 2)
 
+// MoE routing for the grouped GEMV, one block (runtime.moe_segments is the reference, bit for
+// bit): the (token, expert) pairs of top_k_index [P = T·k] (int64 or int32) sorted stably by
+// expert, ids outside [0, E) gathered under E; order[pos] = pair index at sorted position pos,
+// tokens[pos] = order[pos] / k; each expert's run cut into segments of at most `rows` pairs,
+// segs[s] = (first sorted position, count, expert id) in sorted order, rows from the last real
+// segment to nseg zeros. Shared memory: P + 3·(E + 1) ints. A pair's rank among its expert's
+// pairs is counted over the earlier pairs (every thread reads the same id at once): O(P) a
+// thread, for decode-sized P.
+extern "C" __global__ void __launch_bounds__(1024) moe_route(const void* ids, int ids64, int P, int k, int E,
+                                                             int rows, int nseg, int* order, int* tokens, int* segs) {
+    extern __shared__ int mr_smem[];
+    int* bid = mr_smem;         // [P] bucket of each pair
+    int* cnt = bid + P;         // [E + 1] pairs a bucket
+    int* start = cnt + E + 1;   // [E + 1] first sorted position of a bucket
+    int* sfirst = start + E + 1;  // [E + 1] first segment of a bucket
+    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31;
+    for (int b = tid; b <= E; b += nt) cnt[b] = 0;
+    __syncthreads();
+    for (int p = tid; p < P; p += nt) {
+        const long long v = ids64 ? ((const long long*)ids)[p] : (long long)((const int*)ids)[p];
+        const int b = (v >= 0 && v < E) ? (int)v : E;
+        bid[p] = b;
+        atomicAdd(&cnt[b], 1);
+    }
+    __syncthreads();
+    if (tid < 32) {  // exclusive scans of the counts and of the segments a bucket, 32 at a time
+        int run = 0, srun = 0;
+        for (int b0 = 0; b0 <= E; b0 += 32) {
+            const int b = b0 + lane;
+            const int c = b <= E ? cnt[b] : 0, sc = (c + rows - 1) / rows;
+            int ic = c, is = sc;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int uc = __shfl_up_sync(0xffffffffu, ic, d), us = __shfl_up_sync(0xffffffffu, is, d);
+                if (lane >= d) { ic += uc; is += us; }
+            }
+            if (b <= E) { start[b] = run + ic - c; sfirst[b] = srun + is - sc; }
+            run += __shfl_sync(0xffffffffu, ic, 31);
+            srun += __shfl_sync(0xffffffffu, is, 31);
+        }
+    }
+    __syncthreads();
+    for (int p = tid; p < P; p += nt) {
+        const int b = bid[p];
+        int rank = 0;
+        for (int q = 0; q < p; q++) rank += bid[q] == b;
+        const int pos = start[b] + rank;
+        order[pos] = p;
+        tokens[pos] = p / k;
+        if (rank % rows == 0) {
+            int* sg = segs + 3 * (i64)(sfirst[b] + rank / rows);
+            sg[0] = pos;
+            sg[1] = min(rows, cnt[b] - rank);
+            sg[2] = b;
+        }
+    }
+    const int real = sfirst[E] + (cnt[E] + rows - 1) / rows;
+    for (int i = real * 3 + tid; i < nseg * 3; i += nt) segs[i] = 0;
+}
+
 // ---------------------------------------------------------------------------------------
 // Tile layout: the AWQ codes repacked once (at load time) so that a GEMV streams each output
 // tile's weights as one contiguous run of 16-byte loads, already in mma.m16n8k16 A-fragment

@@ -213,6 +213,26 @@ def test_moe_segments_cover_every_pair_once(rows):
     assert len(real) == int(((counts + rows - 1) // rows).sum())
 
 
+def test_moe_max_segments_matches_the_kernel_launch_bound():
+    """The table size Python allocates is the bound the CUDA routing launch checks (Rust)."""
+    from forge import _native
+
+    for pairs in (1, 2, 5, 8, 48, 384, 8192):
+        for e in (1, 3, 8, 64, 256, 1024):
+            for rows in (1, 2, 3, 4):
+                assert moe_max_segments(pairs, e, rows) == _native.moe_max_segments(pairs, e, rows)
+
+
+def test_moe_route_off_cuda_is_the_torch_ops():
+    from forge.runtime import moe_route
+
+    idx, _ = routing(16, 6, 8)
+    order, tokens, seg = moe_route(idx, 8, 2)
+    want_order, want_seg = moe_segments(idx, 8, 2)
+    assert torch.equal(order, want_order) and torch.equal(seg, want_seg)
+    assert tokens.dtype == torch.int32 and torch.equal(tokens, want_order // 6)
+
+
 @pytest.mark.parametrize("tokens,top_k", [(1, 6), (3, 6), (16, 6), (16, 8)])
 def test_awq_experts_grouped_algorithm_matches_loop(tokens, top_k):
     """The grouped path's algorithm (segment table, pair rows, masked ids, weighted sum), run

@@ -342,3 +342,48 @@ def test_awq_experts_reduce_overhead_compile(dtype):
         assert rel_err(y, ref_moe(mod, x, idx, w)) < 2 * TOL[dtype]
         assert rel_err(y, mod(x, idx, w)) < 2 * TOL[dtype]
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == before
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,rows",
+    [
+        (1, 8, 256, 1),
+        (3, 6, 64, 2),
+        (16, 8, 256, 4),
+        (64, 6, 64, 4),
+        (37, 2, 33, 3),
+        (1, 1, 1, 1),
+        (1024, 8, 1024, 4),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_moe_route_kernel_matches_torch_ops(tokens, top_k, experts, rows, dtype):
+    """The CUDA routing kernel builds the same order, tokens and segment table (bit for bit)
+    as the torch ops run on the CPU, masked ids and stale table rows included."""
+    from forge.runtime import moe_route, moe_segments
+
+    gen = torch.Generator().manual_seed(tokens * 7 + experts)
+    idx = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    hot = torch.rand(tokens, top_k, generator=gen) < 0.4  # skewed: most pairs on 4 experts
+    idx = torch.where(hot, idx % 4, idx)
+    idx.view(-1)[:: max(1, idx.numel() // 5)] = -1  # masked ids, both sides of [0, E)
+    idx.view(-1)[1 :: max(2, idx.numel() // 3)] = experts + 2
+    order, tokens_of, seg = moe_route(idx.to(dtype).cuda(), experts, rows)
+    want_order, want_seg = moe_segments(idx, experts, rows)
+    assert order.is_cuda and order.dtype == tokens_of.dtype == seg.dtype == torch.int32
+    assert torch.equal(order.cpu(), want_order)
+    assert torch.equal(tokens_of.cpu(), torch.div(want_order, top_k, rounding_mode="floor"))
+    assert torch.equal(seg.cpu(), want_seg)
+
+
+def test_moe_route_past_the_kernel_limits_takes_the_torch_ops(monkeypatch):
+    from forge import _native
+    from forge.runtime import moe_route, moe_segments
+
+    calls = []
+    monkeypatch.setattr(_native, "moe_route_launch", lambda *a: calls.append(a))
+    idx = torch.randint(0, 4, (_native.MOE_ROUTE_MAX_PAIRS // 8 + 1, 8), device="cuda")
+    order, _, seg = moe_route(idx, 4, 4)
+    assert not calls and torch.equal(order.cpu(), moe_segments(idx.cpu(), 4, 4)[0])
+    moe_route(idx[:2], 4, 4)
+    assert len(calls) == 1  # within the limits: the kernel

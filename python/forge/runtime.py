@@ -20,7 +20,8 @@ the activation's device:
   :class:`AwqExperts` with few (token, expert) pairs (decode: up to
   :data:`GROUPED_MAX_PAIRS`) runs each projection as one grouped GEMV over all experts
   (``torch.ops.forge.awq_moe_gemv``): the pairs are sorted by expert on the GPU into a
-  segment table (:func:`moe_segments`), nothing is read back, so that path captures too.
+  segment table (:func:`moe_route`: one kernel launch; :func:`moe_segments` is the same in
+  torch ops), nothing is read back, so that path captures too.
 * CPU: PyTorch's tinygemm int4 kernel (``aten._weight_int4pack_mm_for_cpu``) for bf16 and
   fp16 activations. The weight is converted once, on the first CPU forward of each dtype:
   codes are unpacked to ``[N, K]`` and repacked by ``aten._convert_weight_to_int4pack_for_cpu``;
@@ -46,6 +47,7 @@ __all__ = [
     "awq_linear",
     "awq_moe_gemv",
     "cpu_int4_supported",
+    "moe_route",
     "moe_segments",
 ]
 
@@ -259,7 +261,9 @@ def moe_rows(tokens: int, pairs: int, num_experts: int) -> int:
 def moe_max_segments(pairs: int, num_experts: int, rows: int) -> int:
     """Upper bound on the segments of ``pairs`` pairs over ``num_experts`` experts plus the
     invalid-id bucket, in runs of at most ``rows``: sum_b ceil(c_b / rows) over the
-    non-empty buckets, at most (pairs + nonempty * (rows - 1)) // rows and at most pairs."""
+    non-empty buckets, at most (pairs + nonempty * (rows - 1)) // rows and at most pairs.
+    Plain integer math, so that torch.compile traces it on symbolic sizes; the CUDA routing
+    kernel's launch checks the table against the same bound (``_native.moe_max_segments``)."""
     nonempty = min(num_experts + 1, pairs)
     return max(1, min(pairs, (pairs + nonempty * (rows - 1)) // rows))
 
@@ -293,6 +297,50 @@ def moe_segments(top_k_index: torch.Tensor, num_experts: int, rows: int) -> tupl
     table = torch.zeros(nseg + 1, 3, dtype=torch.int32, device=dev)
     table[slot] = torch.stack((pos, count, sid), dim=1).to(torch.int32)
     return order.to(torch.int32), table[:nseg]
+
+
+def moe_route(
+    top_k_index: torch.Tensor, num_experts: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moe_segments` plus each sorted pair's token (``order // k``): ``(order, tokens,
+    segments)``. On CUDA (outside ``torch.compile`` tracing, within
+    ``MOE_ROUTE_MAX_PAIRS`` pairs and ``MOE_ROUTE_MAX_EXPERTS`` experts) one kernel launch of
+    one block builds all three (bit-identical to the torch ops, which a decode step would
+    otherwise spend ~20 small kernels on); elsewhere the torch ops."""
+    k = top_k_index.shape[-1] if top_k_index.dim() else 1
+    pairs = top_k_index.numel()
+    if (
+        top_k_index.is_cuda
+        and not torch.compiler.is_compiling()
+        and top_k_index.dtype in (torch.int64, torch.int32)
+        and 0 < pairs <= _native.MOE_ROUTE_MAX_PAIRS
+        and 0 < num_experts <= _native.MOE_ROUTE_MAX_EXPERTS
+        and rows >= 1
+    ):
+        dev = top_k_index.device
+        ids = top_k_index.contiguous()
+        nseg = moe_max_segments(pairs, num_experts, rows)
+        order = torch.empty(pairs, dtype=torch.int32, device=dev)
+        tokens = torch.empty(pairs, dtype=torch.int32, device=dev)
+        segments = torch.empty(nseg, 3, dtype=torch.int32, device=dev)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        _native.moe_route_launch(
+            ids.data_ptr(),
+            ids.dtype == torch.int64,
+            pairs,
+            k,
+            num_experts,
+            rows,
+            order.data_ptr(),
+            tokens.data_ptr(),
+            segments.data_ptr(),
+            nseg,
+            index,
+            _current_stream(index),
+        )
+        return order, tokens, segments
+    order, segments = moe_segments(top_k_index, num_experts, rows)
+    return order, torch.div(order, k, rounding_mode="floor"), segments
 
 
 def _cuda_moe_gemv(
@@ -694,8 +742,7 @@ class AwqExperts(nn.Module):
         k = top_k_index.shape[-1]
         e, g = self.num_experts, self.group_size
         rows = moe_rows(t, t * k, e)
-        order, segments = moe_segments(top_k_index, e, rows)
-        tokens = torch.div(order, k, rounding_mode="floor")  # the token of each sorted pair
+        order, tokens, segments = moe_route(top_k_index, e, rows)  # tokens: of each sorted pair
         if hidden_states.is_cuda and not torch.compiler.is_compiling():
             gemv = _cuda_moe_gemv  # eager: no dispatcher round trip
         else:

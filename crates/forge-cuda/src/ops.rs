@@ -1542,6 +1542,117 @@ pub unsafe fn w4a16_grouped_gemv_awq(a: &GroupedGemv, s: Stream) -> Result<()> {
     }
 }
 
+/// Most pairs (tokens × top-k) [`moe_route`] takes in its one block.
+pub const MOE_ROUTE_MAX_PAIRS: usize = 8192;
+/// Most experts [`moe_route`] takes (its shared-memory bucket arrays).
+pub const MOE_ROUTE_MAX_EXPERTS: usize = 1024;
+
+/// Rows of the segment table for `pairs` pairs over `experts` experts plus the bucket of
+/// masked ids, in runs of at most `rows` (the grouped GEMV's variant): an upper bound on
+/// Σ ⌈c_b / rows⌉ over the non-empty buckets, at most `(pairs + nonempty·(rows − 1)) / rows`
+/// and at most `pairs`; at least 1. Static for a call shape, so CUDA graphs can capture it.
+pub fn moe_max_segments(pairs: usize, experts: usize, rows: usize) -> usize {
+    let rows = rows.max(1);
+    let nonempty = (experts + 1).min(pairs);
+    pairs.min((pairs + nonempty * (rows - 1)) / rows).max(1)
+}
+
+/// Arguments of [`moe_route`]: the MoE routing table of the grouped GEMV, built on the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeRoute {
+    /// The router's top-k expert ids `[T, k]`, contiguous, int64 (`ids_i64`) or int32.
+    pub ids: u64,
+    /// Whether `ids` is int64 (8-byte aligned) rather than int32.
+    pub ids_i64: bool,
+    /// Pairs `T·k`: 1..=[`MOE_ROUTE_MAX_PAIRS`].
+    pub pairs: usize,
+    /// Experts per token `k`, dividing `pairs`.
+    pub top_k: usize,
+    /// Experts `E`: 1..=[`MOE_ROUTE_MAX_EXPERTS`]; ids outside `[0, E)` are gathered under `E`.
+    pub experts: usize,
+    /// Most pairs a segment (the grouped GEMV's variant, ≥ 1).
+    pub rows: usize,
+    /// int32 `[pairs]`: the pair index `t·k + j` at each sorted position (stable by expert).
+    pub order: u64,
+    /// int32 `[pairs]`: the token `order / k` at each sorted position.
+    pub tokens: u64,
+    /// int32 `[num_segments, 3]`: (first sorted position, count, expert id) per segment in
+    /// sorted order, zero rows after the last.
+    pub segments: u64,
+    /// Rows of `segments`: at least [`moe_max_segments`]`(pairs, experts, rows)`.
+    pub num_segments: usize,
+}
+
+impl MoeRoute {
+    /// Checks sizes and pointers without touching the driver.
+    pub fn validate(&self) -> Result<()> {
+        if self.pairs == 0 || self.pairs > MOE_ROUTE_MAX_PAIRS {
+            return Err(CudaError::arg(
+                "pairs",
+                format!("1..={MOE_ROUTE_MAX_PAIRS}"),
+                self.pairs,
+            ));
+        }
+        if self.top_k == 0 || !self.pairs.is_multiple_of(self.top_k) {
+            return Err(CudaError::arg(
+                "top_k",
+                format!("a positive divisor of pairs = {}", self.pairs),
+                self.top_k,
+            ));
+        }
+        if self.experts == 0 || self.experts > MOE_ROUTE_MAX_EXPERTS {
+            return Err(CudaError::arg(
+                "experts",
+                format!("1..={MOE_ROUTE_MAX_EXPERTS}"),
+                self.experts,
+            ));
+        }
+        if self.rows == 0 {
+            return Err(CudaError::arg("rows", "at least 1", self.rows));
+        }
+        let need = moe_max_segments(self.pairs, self.experts, self.rows);
+        if self.num_segments < need {
+            return Err(CudaError::arg(
+                "num_segments",
+                format!("at least {need} (moe_max_segments)"),
+                self.num_segments,
+            ));
+        }
+        to_i32("num_segments", 3 * self.num_segments)?;
+        check_align("ids", self.ids, if self.ids_i64 { 8 } else { 4 })?;
+        check_align("order", self.order, 4)?;
+        check_align("tokens", self.tokens, 4)?;
+        check_align("segments", self.segments, 4)?;
+        Ok(())
+    }
+}
+
+/// Sorts the (token, expert) pairs of a router's top-k ids by expert and cuts them into the
+/// grouped GEMV's segments (see [`MoeRoute`]) in one launch of one block: no host sync, so
+/// CUDA graphs capture it. Bit-identical to `forge.runtime.moe_segments` (torch ops).
+///
+/// # Safety
+/// See the module documentation.
+pub unsafe fn moe_route(a: &MoeRoute, s: Stream) -> Result<()> {
+    a.validate()?;
+    let dev = dev_of(s)?;
+    let f = dev.function("moe_route")?;
+    let smem = ((a.pairs + 3 * (a.experts + 1)) * 4) as u32;
+    let threads = a.pairs.next_multiple_of(32).min(1024) as u32;
+    let (mut pi, mut po, mut pt, mut ps) = (a.ids, a.order, a.tokens, a.segments);
+    let (mut i64f, mut pp, mut kk, mut ee, mut rr, mut ns) = (
+        a.ids_i64 as i32,
+        a.pairs as i32,
+        a.top_k as i32,
+        a.experts as i32,
+        to_i32("rows", a.rows)?,
+        a.num_segments as i32,
+    );
+    let mut p = args!(pi, i64f, pp, kk, ee, rr, ns, po, pt, ps);
+    // SAFETY: parameter list matches moe_route; buffers per MoeRoute's contract, checked above.
+    unsafe { launch(dev, f, (1, 1, 1), (threads, 1, 1), smem, s.handle, &mut p) }
+}
+
 /// Smallest output count the split-K reduction sums four at a time.
 const REDUCE_VEC_MIN: usize = 1 << 16;
 

@@ -1305,3 +1305,154 @@ fn every_e4m3_byte_decodes_as_forge_core() {
     }
     eprintln!("every e4m3 byte: grid and pack bit-exact");
 }
+
+/// The routing table by its definition: pairs sorted stably by bucket (ids outside
+/// `[0, e)` under `e`), each bucket's run cut into segments of at most `rows`, zero rows to
+/// `nseg`.
+fn moe_route_reference(
+    ids: &[i64],
+    k: usize,
+    e: usize,
+    rows: usize,
+    nseg: usize,
+) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+    let bucket = |v: i64| {
+        if (0..e as i64).contains(&v) {
+            v as usize
+        } else {
+            e
+        }
+    };
+    let mut order: Vec<usize> = (0..ids.len()).collect();
+    order.sort_by_key(|&p| bucket(ids[p])); // stable
+    let mut segs = vec![0i32; 3 * nseg];
+    let mut s = 0;
+    let mut pos = 0;
+    while pos < order.len() {
+        let b = bucket(ids[order[pos]]);
+        let mut end = pos;
+        while end < order.len() && bucket(ids[order[end]]) == b {
+            end += 1;
+        }
+        let mut first = pos;
+        while first < end {
+            let count = rows.min(end - first);
+            segs[3 * s..3 * s + 3].copy_from_slice(&[first as i32, count as i32, b as i32]);
+            s += 1;
+            first += count;
+        }
+        pos = end;
+    }
+    let tokens = order.iter().map(|&p| (p / k) as i32).collect();
+    (order.iter().map(|&p| p as i32).collect(), tokens, segs)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn moe_route_matches_reference() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    let mut r = Lcg(91);
+    // (tokens, k, experts, rows): decode and prefill sizes, one expert, more experts than a
+    // scan round, a table at the most pairs; ids skewed to few experts, some masked.
+    let cases = [
+        (1usize, 1usize, 1usize, 1usize),
+        (1, 8, 256, 1),
+        (3, 6, 64, 2),
+        (16, 8, 256, 4),
+        (64, 6, 64, 4),
+        (100, 8, 257, 2),
+        (1024, 8, 1024, 4),
+        (37, 2, 33, 3),
+    ];
+    for (t, k, e, rows) in cases {
+        for ids64 in [true, false] {
+            let pairs = t * k;
+            let ids: Vec<i64> = (0..pairs)
+                .map(|_| match r.below(10) {
+                    0 => -1,
+                    1 => e as i64 + r.below(3) as i64,
+                    2..=5 => r.below(4.min(e as u32)) as i64,
+                    _ => r.below(e as u32) as i64,
+                })
+                .collect();
+            let nseg = ops::moe_max_segments(pairs, e, rows);
+            let (want_order, want_tokens, want_segs) = moe_route_reference(&ids, k, e, rows, nseg);
+            let dids = if ids64 {
+                DeviceBuf::from_slice(0, &ids).unwrap()
+            } else {
+                DeviceBuf::from_slice(0, &ids.iter().map(|&v| v as i32).collect::<Vec<_>>())
+                    .unwrap()
+            };
+            let order = DeviceBuf::zeroed(0, pairs * 4).unwrap();
+            let tokens = DeviceBuf::zeroed(0, pairs * 4).unwrap();
+            let segs = DeviceBuf::from_slice(0, &vec![-7i32; 3 * nseg]).unwrap(); // stale rows
+            let a = ops::MoeRoute {
+                ids: dids.ptr(),
+                ids_i64: ids64,
+                pairs,
+                top_k: k,
+                experts: e,
+                rows,
+                order: order.ptr(),
+                tokens: tokens.ptr(),
+                segments: segs.ptr(),
+                num_segments: nseg,
+            };
+            unsafe { ops::moe_route(&a, S) }.unwrap();
+            synchronize(0).unwrap();
+            let case = format!("T={t} k={k} E={e} rows={rows} i64={ids64}");
+            assert_eq!(
+                order.download::<i32>().unwrap(),
+                want_order,
+                "{case}: order"
+            );
+            assert_eq!(
+                tokens.download::<i32>().unwrap(),
+                want_tokens,
+                "{case}: tokens"
+            );
+            assert_eq!(
+                segs.download::<i32>().unwrap(),
+                want_segs,
+                "{case}: segments"
+            );
+            // A table smaller than the bound, and sizes past the limits, are refused.
+            let small = ops::MoeRoute {
+                num_segments: nseg - 1,
+                ..a
+            };
+            assert!(
+                nseg == 1 || small.validate().is_err(),
+                "{case}: short table accepted"
+            );
+        }
+    }
+    let base = ops::MoeRoute {
+        ids: 8,
+        ids_i64: true,
+        pairs: 8,
+        top_k: 8,
+        experts: 4,
+        rows: 1,
+        order: 4,
+        tokens: 4,
+        segments: 4,
+        num_segments: 8,
+    };
+    for bad in [
+        ops::MoeRoute {
+            pairs: ops::MOE_ROUTE_MAX_PAIRS + 8,
+            ..base
+        },
+        ops::MoeRoute {
+            experts: ops::MOE_ROUTE_MAX_EXPERTS + 1,
+            ..base
+        },
+        ops::MoeRoute { top_k: 3, ..base },
+        ops::MoeRoute { rows: 0, ..base },
+        ops::MoeRoute { ids: 4, ..base },
+    ] {
+        assert!(bad.validate().is_err(), "{bad:?} accepted");
+    }
+    assert!(base.validate().is_ok());
+}

@@ -519,6 +519,59 @@ pub fn w4a16_grouped_workspace_bytes(
         .map_err(|e| cuda_err(py, e))
 }
 
+/// Rows of the grouped GEMV's segment table for `pairs` pairs over `experts` experts in
+/// segments of at most `rows` (see `forge_cuda::ops::moe_max_segments`).
+#[pyfunction]
+pub fn moe_max_segments(pairs: usize, experts: usize, rows: usize) -> usize {
+    cu::moe_max_segments(pairs, experts, rows)
+}
+
+/// The MoE routing launch (see `forge_cuda::ops::moe_route`) on plain integers: `ids`
+/// (the router's top-k ids, int64 or int32, `pairs` of them), `order` / `tokens` (int32
+/// `[pairs]`) and `segments` (int32 `[num_segments, 3]`), allocated by the caller with torch
+/// on that stream; launched asynchronously (legal under CUDA-graph capture).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_launch(
+    py: Python<'_>,
+    ids: u64,
+    ids_i64: bool,
+    pairs: usize,
+    top_k: usize,
+    experts: usize,
+    rows: usize,
+    order: u64,
+    tokens: u64,
+    segments: u64,
+    num_segments: usize,
+    device: usize,
+    stream: u64,
+) -> PyResult<()> {
+    let args = cu::MoeRoute {
+        ids,
+        ids_i64,
+        pairs,
+        top_k,
+        experts,
+        rows,
+        order,
+        tokens,
+        segments,
+        num_segments,
+    };
+    // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
+    unsafe {
+        cu::moe_route(
+            &args,
+            cu::Stream {
+                device,
+                handle: stream,
+            },
+        )
+    }
+    .map_err(|e| cuda_err(py, e))
+}
+
 /// The grouped MoE GEMV launch behind `forge::awq_moe_gemv`, on plain integers like
 /// [`w4a16_launch`]: `x` (activations, rows read through `x_rows`), `x_rows` / `out_rows`
 /// (int32 `[pairs]`), `segments` (int32 `[num_segments, 3]`: first sorted position, row

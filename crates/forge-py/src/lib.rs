@@ -13,6 +13,11 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("TILED_MAX_M", forge_cuda::ops::TILED_MAX_M)?;
+    m.add("MOE_ROUTE_MAX_PAIRS", forge_cuda::ops::MOE_ROUTE_MAX_PAIRS)?;
+    m.add(
+        "MOE_ROUTE_MAX_EXPERTS",
+        forge_cuda::ops::MOE_ROUTE_MAX_EXPERTS,
+    )?;
     m.add_function(wrap_pyfunction!(ops::build_quant_grid, m)?)?;
     m.add_function(wrap_pyfunction!(ops::quantize_rtn, m)?)?;
     m.add_function(wrap_pyfunction!(ops::encode_qmeta, m)?)?;
@@ -35,6 +40,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_workspace_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_grouped_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::moe_route_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::moe_max_segments, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tile_repack_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tiled_launch, m)?)?;
     m.add_function(wrap_pyfunction!(
