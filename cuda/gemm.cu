@@ -998,6 +998,41 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(const void* ids, in
     for (int i = real * 3 + tid; i < nseg * 3; i += nt) segs[i] = 0;
 }
 
+// The MoE top-k weighted sum of the grouped GEMV's per-pair outputs: out[t, h] = Σ_j w'[t, j] ·
+// y[t·k + j, h] over j = 0..k-1 in that order, each product and sum rounded to fp32, w' = w where the id is in [0, E) and 0 elsewhere (a masked
+// pair adds nothing whatever its weight); out rounded to y's type. y and out [*, H] f16/bf16
+// (BF), H % 8 == 0, 16-byte aligned; w f32 (wkind 0), bf16 (1) or f16 (2); ids int64 or int32.
+// Block (x: 8 outputs a thread, y: token).
+extern "C" __global__ void __launch_bounds__(256) moe_combine(const u16* y, const void* w, int wkind, const void* ids,
+                                                              int ids64, int k, int H, int E, int bf, u16* out) {
+    const int t = blockIdx.y;
+    const int h = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (h >= H) return;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j = 0; j < k; j++) {
+        const i64 p = (i64)t * k + j;
+        const long long id = ids64 ? ((const long long*)ids)[p] : (long long)((const int*)ids)[p];
+        float wj = wkind == 0 ? ((const float*)w)[p]
+                              : (wkind == 1 ? bf16_to_f32(((const u16*)w)[p]) : f16_to_f32(((const u16*)w)[p]));
+        if (id < 0 || id >= E) wj = 0.0f;
+        const uint4 v = *(const uint4*)(y + p * H + h);
+        const u32 u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            const u16 b = (u16)(u[c >> 1] >> (16 * (c & 1)));
+            acc[c] = __fadd_rn(acc[c], __fmul_rn(wj, bf ? bf16_to_f32(b) : f16_to_f32(b)));
+        }
+    }
+    u32 o[4];
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        const u16 lo = bf ? f32_to_bf16_rn(acc[2 * c]) : f32_to_f16_rn(acc[2 * c]);
+        const u16 hi = bf ? f32_to_bf16_rn(acc[2 * c + 1]) : f32_to_f16_rn(acc[2 * c + 1]);
+        o[c] = (u32)lo | ((u32)hi << 16);
+    }
+    *(uint4*)(out + (i64)t * H + h) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // ---------------------------------------------------------------------------------------
 // Tile layout: the AWQ codes repacked once (at load time) so that a GEMV streams each output
 // tile's weights as one contiguous run of 16-byte loads, already in mma.m16n8k16 A-fragment

@@ -387,3 +387,29 @@ def test_moe_route_past_the_kernel_limits_takes_the_torch_ops(monkeypatch):
     assert not calls and torch.equal(order.cpu(), moe_segments(idx.cpu(), 4, 4)[0])
     moe_route(idx[:2], 4, 4)
     assert len(calls) == 1  # within the limits: the kernel
+
+
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 8, 2048), (16, 6, 64), (300, 2, 8)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_moe_combine_kernel_matches_reference(tokens, top_k, hidden, dtype, wdtype):
+    """The CUDA top-k weighted sum against float64 (within one rounding of the output type
+    plus float32 sums) and the torch ops; a masked pair's NaN weight never reaches the output."""
+    from forge.runtime import moe_combine
+
+    e = 16
+    gen = torch.Generator().manual_seed(tokens + top_k)
+    y = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype)
+    idx = torch.randint(0, e, (tokens, top_k), generator=gen)
+    idx.view(-1)[:: max(1, idx.numel() // 4)] = -1
+    idx.view(-1)[1 :: max(2, idx.numel() // 3)] = e
+    valid = (idx >= 0) & (idx < e)
+    w = torch.where(valid, torch.rand(tokens, top_k, generator=gen), float("nan")).to(wdtype)
+    ref = (y.double().view(tokens, top_k, hidden) * torch.where(valid, w.double(), 0.0)[..., None]).sum(1)
+    out = moe_combine(y.cuda(), w.cuda(), idx.cuda(), e)
+    assert out.dtype == dtype and out.shape == (tokens, hidden) and torch.isfinite(out).all()
+    ulp = 2**-8 if dtype == torch.bfloat16 else 2**-11
+    bound = ulp * ref.abs() + 1e-6 * (y.double().abs().view(tokens, top_k, hidden).sum(1) + 1)
+    assert ((out.double().cpu() - ref).abs() <= bound).all()
+    torch_ops = moe_combine(y, w, idx, e)  # the CPU path: the torch ops
+    assert ((out.double().cpu() - torch_ops.double()).abs() <= 2 * bound).all()

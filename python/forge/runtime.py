@@ -47,6 +47,7 @@ __all__ = [
     "awq_linear",
     "awq_moe_gemv",
     "cpu_int4_supported",
+    "moe_combine",
     "moe_route",
     "moe_segments",
 ]
@@ -341,6 +342,52 @@ def moe_route(
         return order, tokens, segments
     order, segments = moe_segments(top_k_index, num_experts, rows)
     return order, torch.div(order, k, rounding_mode="floor"), segments
+
+
+_WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def moe_combine(
+    y: torch.Tensor, top_k_weights: torch.Tensor, top_k_index: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """The top-k weighted sum of per-pair expert outputs: ``out[t] = sum_j w[t, j] * y[t*k + j]``
+    for ``y (T*k, H)``, in float32, in ``y``'s dtype; a pair whose id is outside
+    ``[0, num_experts)`` adds nothing whatever its weight. On CUDA (16-bit ``y``, ``H % 8 ==
+    0``, outside ``torch.compile`` tracing) one kernel launch; elsewhere the torch ops."""
+    t, k = top_k_index.shape
+    h = y.shape[-1]
+    if (
+        y.is_cuda
+        and not torch.compiler.is_compiling()
+        and y.dtype in _GEMM_DTYPES
+        and top_k_weights.dtype in _WEIGHT_KINDS
+        and top_k_index.dtype in (torch.int64, torch.int32)
+        and h % 8 == 0
+        and 0 < t <= 65535
+        and y.shape == (t * k, h)
+    ):
+        ya, wa, ids = y.contiguous(), top_k_weights.contiguous(), top_k_index.contiguous()
+        out = torch.empty((t, h), dtype=y.dtype, device=y.device)
+        index = y.device.index if y.device.index is not None else torch.cuda.current_device()
+        _native.moe_combine_launch(
+            ya.data_ptr(),
+            ya.dtype == torch.bfloat16,
+            wa.data_ptr(),
+            _WEIGHT_KINDS[wa.dtype],
+            ids.data_ptr(),
+            ids.dtype == torch.int64,
+            t,
+            k,
+            h,
+            num_experts,
+            out.data_ptr(),
+            index,
+            _current_stream(index),
+        )
+        return out
+    valid = (top_k_index >= 0) & (top_k_index < num_experts)
+    w = torch.where(valid, top_k_weights.float(), 0.0)  # masked ids add nothing, whatever their weight
+    return (y.view(t, k, h).float() * w[..., None]).sum(1).to(y.dtype)
 
 
 def _cuda_moe_gemv(
@@ -770,10 +817,7 @@ class AwqExperts(nn.Module):
             g,
             rows,
         )  # (T*k, H); masked pairs are zeros
-        valid = (top_k_index >= 0) & (top_k_index < e)
-        w = torch.where(valid, top_k_weights.float(), 0.0)  # masked ids add nothing, whatever their weight
-        out = (y.view(t, k, h).float() * w[..., None]).sum(1)
-        return out.to(hidden_states.dtype)
+        return moe_combine(y, top_k_weights, top_k_index, e).to(hidden_states.dtype)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

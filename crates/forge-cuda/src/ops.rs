@@ -1653,6 +1653,108 @@ pub unsafe fn moe_route(a: &MoeRoute, s: Stream) -> Result<()> {
     unsafe { launch(dev, f, (1, 1, 1), (threads, 1, 1), smem, s.handle, &mut p) }
 }
 
+/// Element type of the MoE top-k weights [`moe_combine`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightType {
+    /// float32.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// float16.
+    F16,
+}
+
+/// Arguments of [`moe_combine`]: the top-k weighted sum of the grouped GEMV's per-pair rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeCombine {
+    /// Per-pair outputs `[T·k, H]` of `act` (row `t·k + j` = token `t`'s `j`-th expert), 16-byte
+    /// aligned.
+    pub y: u64,
+    /// Element type of `y` and `out`: F16 or Bf16.
+    pub act: DType,
+    /// The router's top-k weights `[T, k]`, contiguous.
+    pub weights: u64,
+    /// Element type of `weights`.
+    pub weight_type: WeightType,
+    /// The router's top-k expert ids `[T, k]`, contiguous, int64 (`ids_i64`) or int32; a pair
+    /// whose id is outside `[0, experts)` adds nothing, whatever its weight.
+    pub ids: u64,
+    /// Whether `ids` is int64 rather than int32.
+    pub ids_i64: bool,
+    /// Tokens `T` (≥ 1, at most 65535: the grid's y extent).
+    pub tokens: usize,
+    /// Experts per token `k` (≥ 1).
+    pub top_k: usize,
+    /// Hidden size `H`: a positive multiple of 8.
+    pub hidden: usize,
+    /// Experts `E`.
+    pub experts: usize,
+    /// Output `[T, H]` of `act`, 16-byte aligned.
+    pub out: u64,
+}
+
+impl MoeCombine {
+    /// Checks sizes, dtypes and pointers without touching the driver.
+    pub fn validate(&self) -> Result<()> {
+        check_act(self.act)?;
+        if self.tokens == 0 || self.tokens > 65535 {
+            return Err(CudaError::arg("tokens", "1..=65535", self.tokens));
+        }
+        if self.top_k == 0 {
+            return Err(CudaError::arg("top_k", "at least 1", self.top_k));
+        }
+        if self.hidden == 0 || !self.hidden.is_multiple_of(8) {
+            return Err(CudaError::arg(
+                "hidden",
+                "a positive multiple of 8",
+                self.hidden,
+            ));
+        }
+        to_i32("hidden", self.hidden)?;
+        to_i32("experts", self.experts)?;
+        to_i32("top_k", self.top_k)?;
+        let wa = if self.weight_type == WeightType::F32 {
+            4
+        } else {
+            2
+        };
+        check_align("y", self.y, 16)?;
+        check_align("weights", self.weights, wa)?;
+        check_align("ids", self.ids, if self.ids_i64 { 8 } else { 4 })?;
+        check_align("out", self.out, 16)?;
+        Ok(())
+    }
+}
+
+/// `out[t] = Σ_j w'[t, j] · y[t·k + j]` (see [`MoeCombine`]) in one launch: fp32 products and
+/// sums in `j` order, rounded once to the activation type.
+///
+/// # Safety
+/// See the module documentation.
+pub unsafe fn moe_combine(a: &MoeCombine, s: Stream) -> Result<()> {
+    a.validate()?;
+    let dev = dev_of(s)?;
+    let f = dev.function("moe_combine")?;
+    let (mut py, mut pw, mut pi, mut po) = (a.y, a.weights, a.ids, a.out);
+    let wkind = match a.weight_type {
+        WeightType::F32 => 0i32,
+        WeightType::Bf16 => 1,
+        WeightType::F16 => 2,
+    };
+    let (mut wk, mut i64f, mut kk, mut hh, mut ee, mut bf) = (
+        wkind,
+        a.ids_i64 as i32,
+        a.top_k as i32,
+        a.hidden as i32,
+        a.experts as i32,
+        (a.act == DType::Bf16) as i32,
+    );
+    let mut p = args!(py, pw, wk, pi, i64f, kk, hh, ee, bf, po);
+    let grid = (blocks(a.hidden / 8, 256)?, a.tokens as u32, 1);
+    // SAFETY: parameter list matches moe_combine; buffers per MoeCombine's contract.
+    unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
+}
+
 /// Smallest output count the split-K reduction sums four at a time.
 const REDUCE_VEC_MIN: usize = 1 << 16;
 

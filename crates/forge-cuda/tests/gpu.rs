@@ -1456,3 +1456,114 @@ fn moe_route_matches_reference() {
     }
     assert!(base.validate().is_ok());
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn moe_combine_matches_reference() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    let mut r = Lcg(93);
+    for (t, k, h, e) in [
+        (1usize, 8usize, 2048usize, 256usize),
+        (5, 6, 64, 16),
+        (300, 2, 8, 4),
+        (1, 1, 16, 1),
+    ] {
+        for act in [DType::F16, DType::Bf16] {
+            for wt in [
+                ops::WeightType::F32,
+                ops::WeightType::Bf16,
+                ops::WeightType::F16,
+            ] {
+                let to16 = |v: f32| match act {
+                    DType::F16 => f16::from_f32(v).to_bits(),
+                    _ => bf16::from_f32(v).to_bits(),
+                };
+                let of16 = |b: u16| match act {
+                    DType::F16 => f16::from_bits(b).to_f32(),
+                    _ => bf16::from_bits(b).to_f32(),
+                };
+                let y: Vec<u16> = (0..t * k * h).map(|_| to16(r.n())).collect();
+                let ids: Vec<i64> = (0..t * k)
+                    .map(|_| match r.below(8) {
+                        0 => -1,
+                        1 => e as i64,
+                        _ => r.below(e as u32) as i64,
+                    })
+                    .collect();
+                // Masked pairs get a NaN weight: it must not reach the output.
+                let w32: Vec<f32> = (0..t * k)
+                    .map(|p| {
+                        if (0..e as i64).contains(&ids[p]) {
+                            r.f().abs()
+                        } else {
+                            f32::NAN
+                        }
+                    })
+                    .collect();
+                let (dw, wv): (DeviceBuf, Vec<f32>) = match wt {
+                    ops::WeightType::F32 => (DeviceBuf::from_slice(0, &w32).unwrap(), w32.clone()),
+                    ops::WeightType::Bf16 => {
+                        let b: Vec<u16> =
+                            w32.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+                        let v = b.iter().map(|&x| bf16::from_bits(x).to_f32()).collect();
+                        (DeviceBuf::from_slice(0, &b).unwrap(), v)
+                    }
+                    ops::WeightType::F16 => {
+                        let b: Vec<u16> = w32.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+                        let v = b.iter().map(|&x| f16::from_bits(x).to_f32()).collect();
+                        (DeviceBuf::from_slice(0, &b).unwrap(), v)
+                    }
+                };
+                // The definition: fp32 products and sums in j order, rounded once.
+                let mut want = vec![0u16; t * h];
+                for tt in 0..t {
+                    for c in 0..h {
+                        let mut acc = 0f32;
+                        for j in 0..k {
+                            let p = tt * k + j;
+                            let wj = if (0..e as i64).contains(&ids[p]) {
+                                wv[p]
+                            } else {
+                                0.0
+                            };
+                            acc += wj * of16(y[p * h + c]);
+                        }
+                        want[tt * h + c] = to16(acc);
+                    }
+                }
+                let for_ids: Vec<i32> = ids.iter().map(|&v| v as i32).collect();
+                for ids64 in [true, false] {
+                    let dy = DeviceBuf::from_slice(0, &y).unwrap();
+                    let di = if ids64 {
+                        DeviceBuf::from_slice(0, &ids).unwrap()
+                    } else {
+                        DeviceBuf::from_slice(0, &for_ids).unwrap()
+                    };
+                    let dout = DeviceBuf::zeroed(0, t * h * 2).unwrap();
+                    let a = ops::MoeCombine {
+                        y: dy.ptr(),
+                        act,
+                        weights: dw.ptr(),
+                        weight_type: wt,
+                        ids: di.ptr(),
+                        ids_i64: ids64,
+                        tokens: t,
+                        top_k: k,
+                        hidden: h,
+                        experts: e,
+                        out: dout.ptr(),
+                    };
+                    unsafe { ops::moe_combine(&a, S) }.unwrap();
+                    synchronize(0).unwrap();
+                    assert_eq!(
+                        dout.download::<u16>().unwrap(),
+                        want,
+                        "T={t} k={k} H={h} {act:?} {wt:?} i64={ids64}"
+                    );
+                    let bad = ops::MoeCombine { hidden: 12, ..a };
+                    assert!(bad.validate().is_err());
+                }
+            }
+        }
+    }
+}

@@ -572,6 +572,67 @@ pub fn moe_route_launch(
     .map_err(|e| cuda_err(py, e))
 }
 
+/// The MoE top-k weighted sum launch (see `forge_cuda::ops::moe_combine`) on plain integers:
+/// `y` (`[tokens·top_k, hidden]`, bf16 when `bf16` else f16), `weights` (`weight_kind`: 0
+/// float32, 1 bfloat16, 2 float16) and `ids` (int64 or int32), both `[tokens, top_k]`, and
+/// `out` (`[tokens, hidden]`, y's type), allocated by the caller with torch on that stream;
+/// launched asynchronously (legal under CUDA-graph capture).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn moe_combine_launch(
+    py: Python<'_>,
+    y: u64,
+    bf16: bool,
+    weights: u64,
+    weight_kind: u8,
+    ids: u64,
+    ids_i64: bool,
+    tokens: usize,
+    top_k: usize,
+    hidden: usize,
+    experts: usize,
+    out: u64,
+    device: usize,
+    stream: u64,
+) -> PyResult<()> {
+    let weight_type = match weight_kind {
+        0 => cu::WeightType::F32,
+        1 => cu::WeightType::Bf16,
+        2 => cu::WeightType::F16,
+        _ => {
+            return Err(raise(
+                py,
+                "InvalidValueError",
+                format!("weight_kind: expected 0 (f32), 1 (bf16) or 2 (f16), got {weight_kind}"),
+            ))
+        }
+    };
+    let args = cu::MoeCombine {
+        y,
+        act: act_dtype(bf16),
+        weights,
+        weight_type,
+        ids,
+        ids_i64,
+        tokens,
+        top_k,
+        hidden,
+        experts,
+        out,
+    };
+    // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
+    unsafe {
+        cu::moe_combine(
+            &args,
+            cu::Stream {
+                device,
+                handle: stream,
+            },
+        )
+    }
+    .map_err(|e| cuda_err(py, e))
+}
+
 /// The grouped MoE GEMV launch behind `forge::awq_moe_gemv`, on plain integers like
 /// [`w4a16_launch`]: `x` (activations, rows read through `x_rows`), `x_rows` / `out_rows`
 /// (int32 `[pairs]`), `segments` (int32 `[num_segments, 3]`: first sorted position, row

@@ -41,6 +41,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_workspace_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_grouped_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::moe_route_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::moe_combine_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::moe_max_segments, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tile_repack_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tiled_launch, m)?)?;
