@@ -263,6 +263,9 @@ def test_awq_moe_gemv_opcheck_and_compile():
     tokens = torch.div(order, 4, rounding_mode="floor")
     args = (x, tokens, order, seg, mod.gate_up_qweight, mod.gate_up_qzeros, mod.gate_up_scales, group, 2)
     torch.library.opcheck(torch.ops.forge.awq_moe_gemv.default, args)
+    torch.library.opcheck(torch.ops.forge.moe_route.default, (idx, e, 2))
+    y = torch.randn(5 * 4, h)
+    torch.library.opcheck(torch.ops.forge.moe_combine.default, (y, w, idx, e))
     torch._dynamo.reset()
     compiled = torch.compile(mod._forward_grouped, backend="aot_eager", fullgraph=True)
     for tokens in (5, 1, 16, 3):  # new token counts: recompiles, then a dynamic-shape graph

@@ -304,15 +304,22 @@ def moe_route(
     top_k_index: torch.Tensor, num_experts: int, rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`moe_segments` plus each sorted pair's token (``order // k``): ``(order, tokens,
-    segments)``. On CUDA (outside ``torch.compile`` tracing, within
-    ``MOE_ROUTE_MAX_PAIRS`` pairs and ``MOE_ROUTE_MAX_EXPERTS`` experts) one kernel launch of
-    one block builds all three (bit-identical to the torch ops, which a decode step would
-    otherwise spend ~20 small kernels on); elsewhere the torch ops."""
+    segments)``. On CUDA (within ``MOE_ROUTE_MAX_PAIRS`` pairs and ``MOE_ROUTE_MAX_EXPERTS``
+    experts) one kernel launch of one block builds all three (bit-identical to the torch ops,
+    which a decode step would otherwise spend ~20 small kernels on); elsewhere the torch ops.
+    ``torch.compile`` traces it as the custom op ``forge::moe_route``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.forge.moe_route(top_k_index, num_experts, rows)
+    return _moe_route(top_k_index, num_experts, rows)
+
+
+def _moe_route(
+    top_k_index: torch.Tensor, num_experts: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     k = top_k_index.shape[-1] if top_k_index.dim() else 1
     pairs = top_k_index.numel()
     if (
         top_k_index.is_cuda
-        and not torch.compiler.is_compiling()
         and top_k_index.dtype in (torch.int64, torch.int32)
         and 0 < pairs <= _native.MOE_ROUTE_MAX_PAIRS
         and 0 < num_experts <= _native.MOE_ROUTE_MAX_EXPERTS
@@ -344,6 +351,25 @@ def moe_route(
     return order, torch.div(order, k, rounding_mode="floor"), segments
 
 
+@torch.library.custom_op("forge::moe_route", mutates_args=())
+def _moe_route_op(
+    top_k_index: torch.Tensor, num_experts: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _moe_route(top_k_index, num_experts, rows)
+
+
+@_moe_route_op.register_fake
+def _(top_k_index, num_experts, rows):
+    pairs = top_k_index.numel()
+    nseg = moe_max_segments(pairs, num_experts, rows)
+    i32 = {"dtype": torch.int32}
+    return (
+        top_k_index.new_empty(pairs, **i32),
+        top_k_index.new_empty(pairs, **i32),
+        top_k_index.new_empty((nseg, 3), **i32),
+    )
+
+
 _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -353,12 +379,20 @@ def moe_combine(
     """The top-k weighted sum of per-pair expert outputs: ``out[t] = sum_j w[t, j] * y[t*k + j]``
     for ``y (T*k, H)``, in float32, in ``y``'s dtype; a pair whose id is outside
     ``[0, num_experts)`` adds nothing whatever its weight. On CUDA (16-bit ``y``, ``H % 8 ==
-    0``, outside ``torch.compile`` tracing) one kernel launch; elsewhere the torch ops."""
+    0``) one kernel launch; elsewhere the torch ops. ``torch.compile`` traces it as the custom
+    op ``forge::moe_combine``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.forge.moe_combine(y, top_k_weights, top_k_index, num_experts)
+    return _moe_combine(y, top_k_weights, top_k_index, num_experts)
+
+
+def _moe_combine(
+    y: torch.Tensor, top_k_weights: torch.Tensor, top_k_index: torch.Tensor, num_experts: int
+) -> torch.Tensor:
     t, k = top_k_index.shape
     h = y.shape[-1]
     if (
         y.is_cuda
-        and not torch.compiler.is_compiling()
         and y.dtype in _GEMM_DTYPES
         and top_k_weights.dtype in _WEIGHT_KINDS
         and top_k_index.dtype in (torch.int64, torch.int32)
@@ -388,6 +422,18 @@ def moe_combine(
     valid = (top_k_index >= 0) & (top_k_index < num_experts)
     w = torch.where(valid, top_k_weights.float(), 0.0)  # masked ids add nothing, whatever their weight
     return (y.view(t, k, h).float() * w[..., None]).sum(1).to(y.dtype)
+
+
+@torch.library.custom_op("forge::moe_combine", mutates_args=())
+def _moe_combine_op(
+    y: torch.Tensor, top_k_weights: torch.Tensor, top_k_index: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    return _moe_combine(y, top_k_weights, top_k_index, num_experts)
+
+
+@_moe_combine_op.register_fake
+def _(y, top_k_weights, top_k_index, num_experts):
+    return y.new_empty((top_k_index.shape[0], y.shape[-1]))
 
 
 def _cuda_moe_gemv(
