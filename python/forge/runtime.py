@@ -95,6 +95,11 @@ def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+def _device_index(dev: torch.device) -> int:
+    """The CUDA ordinal of ``dev`` (the current device for a bare ``cuda``)."""
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def _launch_io(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The W4A16 launches' activations and output: ``x`` as a contiguous, 16-byte aligned
     fp16/bf16 tensor (other dtypes through fp16), an empty ``y (..., n)`` in that dtype, the
@@ -104,7 +109,7 @@ def _launch_io(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Ten
     if xa.data_ptr() % 16:  # a view into the middle of a row
         xa = xa.clone()
     y = torch.empty((*x.shape[:-1], n), dtype=xa.dtype, device=x.device)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = _device_index(x.device)
     return xa, y, xa.numel() // k, index
 
 
@@ -331,7 +336,7 @@ def _moe_route(
         order = torch.empty(pairs, dtype=torch.int32, device=dev)
         tokens = torch.empty(pairs, dtype=torch.int32, device=dev)
         segments = torch.empty(nseg, 3, dtype=torch.int32, device=dev)
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        index = _device_index(dev)
         _native.moe_route_launch(
             ids.data_ptr(),
             ids.dtype == torch.int64,
@@ -402,7 +407,7 @@ def _moe_combine(
     ):
         ya, wa, ids = y.contiguous(), top_k_weights.contiguous(), top_k_index.contiguous()
         out = torch.empty((t, h), dtype=y.dtype, device=y.device)
-        index = y.device.index if y.device.index is not None else torch.cuda.current_device()
+        index = _device_index(y.device)
         _native.moe_combine_launch(
             ya.data_ptr(),
             ya.dtype == torch.bfloat16,
@@ -468,7 +473,7 @@ def _cuda_moe_gemv(
     y = torch.empty((pairs, n), dtype=xa.dtype, device=dev)
     if pairs == 0 or nseg == 0:
         return y.to(x.dtype)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    index = _device_index(dev)
     key = (index, rows, pairs, nseg, n, k, group_size)
     ws_bytes = _GROUPED_WORKSPACE.get(key)
     if ws_bytes is None:
