@@ -492,19 +492,19 @@ def tile_awq(qweight: torch.Tensor) -> torch.Tensor:
     for bit.
     """
     from .errors import DTypeError, ShapeError
+    from .runtime import _current_stream, _device_index
 
     if not isinstance(qweight, torch.Tensor) or not qweight.is_cuda:
         return _native.tile_awq(qweight)
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise DTypeError(f"qweight: expected a 2-D int32 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
     k, n = qweight.shape[0], qweight.shape[1] * 8
-    if n == 0 or n % 16 or k == 0 or k % 64:
+    if not _native.tile_shape_ok(n, k, 64):  # 64: any K % 64 == 0 is whole chunks
         raise ShapeError(f"qweight: the tile layout needs N % 16 == 0 and K % 64 == 0, got K={k} N={n}")
     qweight = qweight.contiguous()
     out = torch.empty(n // 16, k // 64, 32, 4, dtype=torch.int32, device=qweight.device)
-    index = qweight.device.index if qweight.device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(qweight.device).cuda_stream
-    _native.w4a16_tile_repack_launch(qweight.data_ptr(), out.data_ptr(), n, k, index, stream)
+    index = _device_index(qweight.device)
+    _native.w4a16_tile_repack_launch(qweight.data_ptr(), out.data_ptr(), n, k, index, _current_stream(index))
     return out
 
 

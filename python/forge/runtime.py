@@ -163,8 +163,8 @@ TILED_DECODE = True
 
 def tiled_ok(in_features: int, out_features: int, group_size: int) -> bool:
     """Whether the tile layout and its GEMV take this shape: ``N % 16 == 0``,
-    ``G % 64 == 0`` and ``K % G == 0``."""
-    return out_features % 16 == 0 and group_size % 64 == 0 and in_features % group_size == 0
+    ``G % 64 == 0`` and ``K % G == 0`` (all positive)."""
+    return _native.tile_shape_ok(out_features, in_features, group_size)
 
 
 def _cuda_gemv_tiled(
@@ -375,7 +375,7 @@ def _(top_k_index, num_experts, rows):
     )
 
 
-_WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def moe_combine(
@@ -399,10 +399,10 @@ def _moe_combine(
     if (
         y.is_cuda
         and y.dtype in _GEMM_DTYPES
-        and top_k_weights.dtype in _WEIGHT_KINDS
+        and top_k_weights.dtype in _WEIGHT_DTYPES
         and top_k_index.dtype in (torch.int64, torch.int32)
         and h % 8 == 0
-        and 0 < t <= 65535
+        and 0 < t <= _native.MOE_COMBINE_MAX_TOKENS
         and y.shape == (t * k, h)
     ):
         ya, wa, ids = y.contiguous(), top_k_weights.contiguous(), top_k_index.contiguous()
@@ -412,7 +412,7 @@ def _moe_combine(
             ya.data_ptr(),
             ya.dtype == torch.bfloat16,
             wa.data_ptr(),
-            _WEIGHT_KINDS[wa.dtype],
+            str(wa.dtype).removeprefix("torch."),
             ids.data_ptr(),
             ids.dtype == torch.int64,
             t,

@@ -106,6 +106,14 @@ fn check_nonzero(name: &'static str, v: usize) -> Result<()> {
     Ok(())
 }
 
+/// `v` in `1..=most`.
+fn check_count(name: &'static str, v: usize, most: usize) -> Result<()> {
+    if v == 0 || v > most {
+        return Err(CudaError::arg(name, format!("1..={most}"), v));
+    }
+    Ok(())
+}
+
 fn check_align(name: &'static str, ptr: u64, align: u64) -> Result<()> {
     if ptr == 0 || !ptr.is_multiple_of(align) {
         return Err(CudaError::arg(
@@ -1198,9 +1206,7 @@ impl TiledGemv {
     /// Checks dtype, sizes and pointer alignment without touching the driver.
     pub fn validate(&self) -> Result<()> {
         check_act(self.act)?;
-        if self.m == 0 || self.m > TILED_MAX_M {
-            return Err(CudaError::arg("m", format!("1..={TILED_MAX_M}"), self.m));
-        }
+        check_count("m", self.m, TILED_MAX_M)?;
         check_tile_shape(self.n, self.k, self.group_size)?;
         to_i32("n", self.n)?;
         to_i32("k", self.k)?;
@@ -1233,8 +1239,9 @@ fn tiled_warps(sms: usize, tiles: usize, groups: usize) -> usize {
 }
 
 /// `y[M, N] = x[M, K] · dequant(W)ᵀ` for `M <= 16` from the tile layout (see [`TiledGemv`]):
-/// one launch (M > 8: each dequantized weight fragment serves both 8-token tiles), tensor cores with the weights as A, fp32 accumulation, each group's sum scaled
-/// once in fp32 (weights are `(q − z)` exactly, times the f16 scale in fp32). Deterministic.
+/// one launch, tensor cores with the weights as A (M > 8: each dequantized fragment serves
+/// both 8-token tiles), fp32 accumulation, each group's sum scaled once in fp32 (weights are
+/// `(q − z)` exactly, times the f16 scale in fp32). Deterministic.
 ///
 /// # Safety
 /// See the module documentation.
@@ -1278,7 +1285,9 @@ pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
 /// Rows per segment the grouped GEMV supports (its kernel variants).
 pub const GROUPED_ROWS: [usize; 3] = [1, 2, 4];
 /// Largest segment table the grouped GEMV takes (the grid's y extent).
-pub const GROUPED_MAX_SEGMENTS: usize = 65535;
+pub const GROUPED_MAX_SEGMENTS: usize = GRID_Y_MAX;
+/// Largest grid y extent of a launch.
+const GRID_Y_MAX: usize = 65535;
 
 /// Arguments of [`w4a16_grouped_gemv_awq`]: MoE experts over stacked AWQ tensors, one
 /// launch for every (token, expert) pair.
@@ -1351,13 +1360,7 @@ impl GroupedGemv {
         }
         check_nonzero("pairs", self.pairs)?;
         check_nonzero("experts", self.experts)?;
-        if self.num_segments == 0 || self.num_segments > GROUPED_MAX_SEGMENTS {
-            return Err(CudaError::arg(
-                "num_segments",
-                format!("1..={GROUPED_MAX_SEGMENTS}"),
-                self.num_segments,
-            ));
-        }
+        check_count("num_segments", self.num_segments, GROUPED_MAX_SEGMENTS)?;
         let g = self.group_size;
         if g < 32 || !g.is_power_of_two() {
             return Err(CudaError::arg("group_size", "a power of two >= 32", g));
@@ -1586,13 +1589,7 @@ pub struct MoeRoute {
 impl MoeRoute {
     /// Checks sizes and pointers without touching the driver.
     pub fn validate(&self) -> Result<()> {
-        if self.pairs == 0 || self.pairs > MOE_ROUTE_MAX_PAIRS {
-            return Err(CudaError::arg(
-                "pairs",
-                format!("1..={MOE_ROUTE_MAX_PAIRS}"),
-                self.pairs,
-            ));
-        }
+        check_count("pairs", self.pairs, MOE_ROUTE_MAX_PAIRS)?;
         if self.top_k == 0 || !self.pairs.is_multiple_of(self.top_k) {
             return Err(CudaError::arg(
                 "top_k",
@@ -1600,16 +1597,8 @@ impl MoeRoute {
                 self.top_k,
             ));
         }
-        if self.experts == 0 || self.experts > MOE_ROUTE_MAX_EXPERTS {
-            return Err(CudaError::arg(
-                "experts",
-                format!("1..={MOE_ROUTE_MAX_EXPERTS}"),
-                self.experts,
-            ));
-        }
-        if self.rows == 0 {
-            return Err(CudaError::arg("rows", "at least 1", self.rows));
-        }
+        check_count("experts", self.experts, MOE_ROUTE_MAX_EXPERTS)?;
+        check_nonzero("rows", self.rows)?;
         let need = moe_max_segments(self.pairs, self.experts, self.rows);
         if self.num_segments < need {
             return Err(CudaError::arg(
@@ -1653,16 +1642,8 @@ pub unsafe fn moe_route(a: &MoeRoute, s: Stream) -> Result<()> {
     unsafe { launch(dev, f, (1, 1, 1), (threads, 1, 1), smem, s.handle, &mut p) }
 }
 
-/// Element type of the MoE top-k weights [`moe_combine`] reads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightType {
-    /// float32.
-    F32,
-    /// bfloat16.
-    Bf16,
-    /// float16.
-    F16,
-}
+/// Most tokens [`moe_combine`] takes (the grid's y extent).
+pub const MOE_COMBINE_MAX_TOKENS: usize = GRID_Y_MAX;
 
 /// Arguments of [`moe_combine`]: the top-k weighted sum of the grouped GEMV's per-pair rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1674,14 +1655,14 @@ pub struct MoeCombine {
     pub act: DType,
     /// The router's top-k weights `[T, k]`, contiguous.
     pub weights: u64,
-    /// Element type of `weights`.
-    pub weight_type: WeightType,
+    /// Element type of `weights`: F32, F16 or Bf16.
+    pub weights_dtype: DType,
     /// The router's top-k expert ids `[T, k]`, contiguous, int64 (`ids_i64`) or int32; a pair
     /// whose id is outside `[0, experts)` adds nothing, whatever its weight.
     pub ids: u64,
     /// Whether `ids` is int64 rather than int32.
     pub ids_i64: bool,
-    /// Tokens `T` (≥ 1, at most 65535: the grid's y extent).
+    /// Tokens `T`: 1..=[`MOE_COMBINE_MAX_TOKENS`].
     pub tokens: usize,
     /// Experts per token `k` (≥ 1).
     pub top_k: usize,
@@ -1697,12 +1678,15 @@ impl MoeCombine {
     /// Checks sizes, dtypes and pointers without touching the driver.
     pub fn validate(&self) -> Result<()> {
         check_act(self.act)?;
-        if self.tokens == 0 || self.tokens > 65535 {
-            return Err(CudaError::arg("tokens", "1..=65535", self.tokens));
+        if self.weights_dtype == DType::F8E4M3 {
+            return Err(CudaError::arg(
+                "weights_dtype",
+                "F32, F16 or Bf16",
+                "F8E4M3",
+            ));
         }
-        if self.top_k == 0 {
-            return Err(CudaError::arg("top_k", "at least 1", self.top_k));
-        }
+        check_count("tokens", self.tokens, MOE_COMBINE_MAX_TOKENS)?;
+        check_nonzero("top_k", self.top_k)?;
         if self.hidden == 0 || !self.hidden.is_multiple_of(8) {
             return Err(CudaError::arg(
                 "hidden",
@@ -1713,13 +1697,8 @@ impl MoeCombine {
         to_i32("hidden", self.hidden)?;
         to_i32("experts", self.experts)?;
         to_i32("top_k", self.top_k)?;
-        let wa = if self.weight_type == WeightType::F32 {
-            4
-        } else {
-            2
-        };
         check_align("y", self.y, 16)?;
-        check_align("weights", self.weights, wa)?;
+        check_align("weights", self.weights, self.weights_dtype.size() as u64)?;
         check_align("ids", self.ids, if self.ids_i64 { 8 } else { 4 })?;
         check_align("out", self.out, 16)?;
         Ok(())
@@ -1736,10 +1715,11 @@ pub unsafe fn moe_combine(a: &MoeCombine, s: Stream) -> Result<()> {
     let dev = dev_of(s)?;
     let f = dev.function("moe_combine")?;
     let (mut py, mut pw, mut pi, mut po) = (a.y, a.weights, a.ids, a.out);
-    let wkind = match a.weight_type {
-        WeightType::F32 => 0i32,
-        WeightType::Bf16 => 1,
-        WeightType::F16 => 2,
+    // moe_combine's `wkind`: 0 f32, 1 bf16, 2 f16 (F8E4M3 is refused by validate).
+    let wkind = match a.weights_dtype {
+        DType::F32 | DType::F8E4M3 => 0i32,
+        DType::Bf16 => 1,
+        DType::F16 => 2,
     };
     let (mut wk, mut i64f, mut kk, mut hh, mut ee, mut bf) = (
         wkind,

@@ -1469,11 +1469,7 @@ fn moe_combine_matches_reference() {
         (1, 1, 16, 1),
     ] {
         for act in [DType::F16, DType::Bf16] {
-            for wt in [
-                ops::WeightType::F32,
-                ops::WeightType::Bf16,
-                ops::WeightType::F16,
-            ] {
+            for wt in [DType::F32, DType::Bf16, DType::F16] {
                 let to16 = |v: f32| match act {
                     DType::F16 => f16::from_f32(v).to_bits(),
                     _ => bf16::from_f32(v).to_bits(),
@@ -1501,14 +1497,14 @@ fn moe_combine_matches_reference() {
                     })
                     .collect();
                 let (dw, wv): (DeviceBuf, Vec<f32>) = match wt {
-                    ops::WeightType::F32 => (DeviceBuf::from_slice(0, &w32).unwrap(), w32.clone()),
-                    ops::WeightType::Bf16 => {
+                    DType::F32 => (DeviceBuf::from_slice(0, &w32).unwrap(), w32.clone()),
+                    DType::Bf16 => {
                         let b: Vec<u16> =
                             w32.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
                         let v = b.iter().map(|&x| bf16::from_bits(x).to_f32()).collect();
                         (DeviceBuf::from_slice(0, &b).unwrap(), v)
                     }
-                    ops::WeightType::F16 => {
+                    _ => {
                         let b: Vec<u16> = w32.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
                         let v = b.iter().map(|&x| f16::from_bits(x).to_f32()).collect();
                         (DeviceBuf::from_slice(0, &b).unwrap(), v)
@@ -1544,7 +1540,7 @@ fn moe_combine_matches_reference() {
                         y: dy.ptr(),
                         act,
                         weights: dw.ptr(),
-                        weight_type: wt,
+                        weights_dtype: wt,
                         ids: di.ptr(),
                         ids_i64: ids64,
                         tokens: t,
@@ -1562,6 +1558,11 @@ fn moe_combine_matches_reference() {
                     );
                     let bad = ops::MoeCombine { hidden: 12, ..a };
                     assert!(bad.validate().is_err());
+                    let fp8 = ops::MoeCombine {
+                        weights_dtype: DType::F8E4M3,
+                        ..a
+                    };
+                    assert!(fp8.validate().is_err());
                 }
             }
         }

@@ -350,6 +350,11 @@ fn act_dtype(bf16: bool) -> cu::DType {
     }
 }
 
+/// The launch stream of a raw-pointer binding: torch's `cuda_stream` handle on `device`.
+fn torch_stream(device: usize, handle: u64) -> cu::Stream {
+    cu::Stream { device, handle }
+}
+
 /// Refuses a launch without split-K scratch when its plan needs some (`need`): the kernels
 /// never fall back to a driver allocation outside torch's caching allocator.
 fn require_workspace(
@@ -414,16 +419,7 @@ pub fn w4a16_launch(
         workspace_bytes,
     };
     // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
-    unsafe {
-        cu::w4a16_gemm_awq(
-            &args,
-            cu::Stream {
-                device,
-                handle: stream,
-            },
-        )
-    }
-    .map_err(|e| cuda_err(py, e))
+    unsafe { cu::w4a16_gemm_awq(&args, torch_stream(device, stream)) }.map_err(|e| cuda_err(py, e))
 }
 
 /// Repacks the AWQ `qweight [K, N/8]` at `qweight` into the tile layout at `out` (as many
@@ -440,22 +436,11 @@ pub fn w4a16_tile_repack_launch(
     stream: u64,
 ) -> PyResult<()> {
     // SAFETY: the caller passes live device allocations of K·N/8 words on `device`.
-    unsafe {
-        cu::w4a16_tile_repack(
-            qweight,
-            out,
-            n,
-            k,
-            cu::Stream {
-                device,
-                handle: stream,
-            },
-        )
-    }
-    .map_err(|e| cuda_err(py, e))
+    unsafe { cu::w4a16_tile_repack(qweight, out, n, k, torch_stream(device, stream)) }
+        .map_err(|e| cuda_err(py, e))
 }
 
-/// The tiled W4A16 GEMV launch (`M <= 8`, codes in the tile layout; see
+/// The tiled W4A16 GEMV launch (`M <= 16`, codes in the tile layout; see
 /// `forge_cuda::ops::w4a16_gemv_tiled`), on plain integers like [`w4a16_launch`]: no
 /// workspace, asynchronous, legal under CUDA-graph capture.
 #[pyfunction]
@@ -488,16 +473,8 @@ pub fn w4a16_tiled_launch(
         y,
     };
     // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
-    unsafe {
-        cu::w4a16_gemv_tiled(
-            &args,
-            cu::Stream {
-                device,
-                handle: stream,
-            },
-        )
-    }
-    .map_err(|e| cuda_err(py, e))
+    unsafe { cu::w4a16_gemv_tiled(&args, torch_stream(device, stream)) }
+        .map_err(|e| cuda_err(py, e))
 }
 
 /// Bytes of split-K scratch the grouped MoE GEMV needs (see
@@ -517,6 +494,13 @@ pub fn w4a16_grouped_workspace_bytes(
 ) -> PyResult<usize> {
     cu::w4a16_grouped_workspace_bytes(device, rows, pairs, num_segments, n, k, group_size)
         .map_err(|e| cuda_err(py, e))
+}
+
+/// Whether the tile layout and its GEMV take a linear of `n` out features, `k` in features
+/// and group size `group_size` (see `forge_cuda::ops::tile_shape_ok`).
+#[pyfunction]
+pub fn tile_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
+    cu::tile_shape_ok(n, k, group_size)
 }
 
 /// Rows of the grouped GEMV's segment table for `pairs` pairs over `experts` experts in
@@ -560,23 +544,14 @@ pub fn moe_route_launch(
         num_segments,
     };
     // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
-    unsafe {
-        cu::moe_route(
-            &args,
-            cu::Stream {
-                device,
-                handle: stream,
-            },
-        )
-    }
-    .map_err(|e| cuda_err(py, e))
+    unsafe { cu::moe_route(&args, torch_stream(device, stream)) }.map_err(|e| cuda_err(py, e))
 }
 
 /// The MoE top-k weighted sum launch (see `forge_cuda::ops::moe_combine`) on plain integers:
-/// `y` (`[tokens·top_k, hidden]`, bf16 when `bf16` else f16), `weights` (`weight_kind`: 0
-/// float32, 1 bfloat16, 2 float16) and `ids` (int64 or int32), both `[tokens, top_k]`, and
-/// `out` (`[tokens, hidden]`, y's type), allocated by the caller with torch on that stream;
-/// launched asynchronously (legal under CUDA-graph capture).
+/// `y` (`[tokens·top_k, hidden]`, bf16 when `bf16` else f16), `weights` (`weights_dtype`:
+/// torch's name, "float32", "bfloat16" or "float16") and `ids` (int64 or int32), both
+/// `[tokens, top_k]`, and `out` (`[tokens, hidden]`, y's type), allocated by the caller with
+/// torch on that stream; launched asynchronously (legal under CUDA-graph capture).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn moe_combine_launch(
@@ -584,7 +559,7 @@ pub fn moe_combine_launch(
     y: u64,
     bf16: bool,
     weights: u64,
-    weight_kind: u8,
+    weights_dtype: &str,
     ids: u64,
     ids_i64: bool,
     tokens: usize,
@@ -595,15 +570,15 @@ pub fn moe_combine_launch(
     device: usize,
     stream: u64,
 ) -> PyResult<()> {
-    let weight_type = match weight_kind {
-        0 => cu::WeightType::F32,
-        1 => cu::WeightType::Bf16,
-        2 => cu::WeightType::F16,
-        _ => {
+    let weights_dtype = match weights_dtype {
+        "float32" => cu::DType::F32,
+        "bfloat16" => cu::DType::Bf16,
+        "float16" => cu::DType::F16,
+        other => {
             return Err(raise(
                 py,
-                "InvalidValueError",
-                format!("weight_kind: expected 0 (f32), 1 (bf16) or 2 (f16), got {weight_kind}"),
+                "DTypeError",
+                format!("weights: expected float32, bfloat16 or float16, got {other}"),
             ))
         }
     };
@@ -611,7 +586,7 @@ pub fn moe_combine_launch(
         y,
         act: act_dtype(bf16),
         weights,
-        weight_type,
+        weights_dtype,
         ids,
         ids_i64,
         tokens,
@@ -621,16 +596,7 @@ pub fn moe_combine_launch(
         out,
     };
     // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
-    unsafe {
-        cu::moe_combine(
-            &args,
-            cu::Stream {
-                device,
-                handle: stream,
-            },
-        )
-    }
-    .map_err(|e| cuda_err(py, e))
+    unsafe { cu::moe_combine(&args, torch_stream(device, stream)) }.map_err(|e| cuda_err(py, e))
 }
 
 /// The grouped MoE GEMV launch behind `forge::awq_moe_gemv`, on plain integers like
@@ -692,14 +658,6 @@ pub fn w4a16_grouped_launch(
     };
     // SAFETY: the caller passes live device allocations of the documented sizes on `device`
     // and a segment table built from valid routing (positions < pairs, rows of x).
-    unsafe {
-        cu::w4a16_grouped_gemv_awq(
-            &args,
-            cu::Stream {
-                device,
-                handle: stream,
-            },
-        )
-    }
-    .map_err(|e| cuda_err(py, e))
+    unsafe { cu::w4a16_grouped_gemv_awq(&args, torch_stream(device, stream)) }
+        .map_err(|e| cuda_err(py, e))
 }

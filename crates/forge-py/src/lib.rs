@@ -18,6 +18,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "MOE_ROUTE_MAX_EXPERTS",
         forge_cuda::ops::MOE_ROUTE_MAX_EXPERTS,
     )?;
+    m.add(
+        "MOE_COMBINE_MAX_TOKENS",
+        forge_cuda::ops::MOE_COMBINE_MAX_TOKENS,
+    )?;
     m.add_function(wrap_pyfunction!(ops::build_quant_grid, m)?)?;
     m.add_function(wrap_pyfunction!(ops::quantize_rtn, m)?)?;
     m.add_function(wrap_pyfunction!(ops::encode_qmeta, m)?)?;
@@ -43,6 +47,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_ops::moe_route_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::moe_combine_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::moe_max_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::tile_shape_ok, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tile_repack_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tiled_launch, m)?)?;
     m.add_function(wrap_pyfunction!(
