@@ -1062,9 +1062,8 @@ __device__ __forceinline__ u32 tiled_word(const u32* __restrict__ qw, i64 NW, in
     return w;
 }
 
-// One thread a tiled word; blockIdx.y = matrix of a stack (experts), `stride` words apart in
-// both layouts (K·N/8).
-extern "C" __global__ void w4a16_tile_repack(const u32* qw, u32* out, int K, int N, i64 stride) {
+// One thread a tiled word of one matrix.
+extern "C" __global__ void w4a16_tile_repack(const u32* qw, u32* out, int K, int N) {
     const i64 words = (i64)K * (N >> 3);
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= words) return;
@@ -1072,8 +1071,7 @@ extern "C" __global__ void w4a16_tile_repack(const u32* qw, u32* out, int K, int
     const int j = (int)(i & 3), lane = (int)((i >> 2) & 31);
     const i64 rest = i >> 7;
     const int c = (int)(rest % kc), t = (int)(rest / kc);
-    const i64 base = (i64)blockIdx.y * stride;
-    out[base + i] = tiled_word(qw + base, N >> 3, t, c, lane, j);
+    out[i] = tiled_word(qw, N >> 3, t, c, lane, j);
 }
 
 // GEMV on the tile layout, M <= 8·NT tokens (B columns of NT 8-token tiles; lanes past M read

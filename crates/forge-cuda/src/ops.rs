@@ -1166,10 +1166,8 @@ pub unsafe fn w4a16_tile_repack(
     let dev = dev_of(s)?;
     let f = dev.function("w4a16_tile_repack")?;
     let words = k * n / 8;
-    let (mut pq, mut po, mut kk, mut nn, mut stride) =
-        (qweight, out, to_i32("k", k)?, to_i32("n", n)?, words as i64);
-    let mut p = args!(pq, po, kk, nn, stride);
-    // One matrix: grid y = 1 (the kernel can walk a stack of them, `stride` words apart).
+    let (mut pq, mut po, mut kk, mut nn) = (qweight, out, to_i32("k", k)?, to_i32("n", n)?);
+    let mut p = args!(pq, po, kk, nn);
     let grid = (blocks(words, 256)?, 1, 1);
     // SAFETY: parameter list matches w4a16_tile_repack; both buffers hold K·N/8 words.
     unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
