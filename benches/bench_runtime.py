@@ -29,8 +29,10 @@ graph of 64 calls (GPU time plus in-graph launch gaps). AwqLinear is timed throu
 ``module(x)`` (eager fast path), ``torch.ops.forge.awq_gemm`` (the dispatcher, as
 torch.compile calls it) and ``forge.awq_matmul`` (the validating functional API).
 
-On CUDA every model (and the micro bench) runs in its own child process, so a crash in one
-keeps the others' rows; each row is appended to the JSON file as soon as it is measured.
+Every (model, decode mode) pair, and each micro bench, runs in its own child process, so a
+crash in one keeps the others' rows and no mode inherits another's state (compiled `generate`
+run right after `graph_step` in one process measured 342 tok/s against 490 in a fresh one,
+H100 2026-11-27); each row is appended to the JSON file as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def run_model(args) -> None:
     import forge
     from forge.evaluate import load_reference
 
-    name = args.one
+    name, mode = args.one.split(":")
     if name == "w4a16":
         model = forge.load_quantized(args.forged, device=args.device, tokenizer=False)[0]
     else:
@@ -131,32 +133,33 @@ def run_model(args) -> None:
     vocab = model.config.get_text_config().vocab_size
     cuda = args.device.startswith("cuda")
     top_k = moe_top_k(model)
-    modes = ["graph_step", "graphs"] if cuda and args.graphs else ["eager"]
-    if args.eager_too and "graphs" in modes:
-        modes.append("eager")
-    for mode in modes:
-        for batch in args.batch:
-            row = {"bench": "decode", "model": name, "mode": mode, "device": args.device, "batch": batch}
-            row["new_tokens"] = args.new_tokens
-            if top_k:
-                from forge import runtime
+    for batch in args.batch:
+        row = {"bench": "decode", "model": name, "mode": mode, "device": args.device, "batch": batch}
+        row["new_tokens"] = args.new_tokens
+        if top_k:
+            from forge import runtime
 
-                grouped = cuda and batch * top_k <= runtime.GROUPED_MAX_PAIRS
-                row["moe_path"] = "grouped" if grouped else "loop"
-            try:
-                if mode == "graph_step":
-                    rate = graph_step_rate(model, batch, args.new_tokens, vocab)
-                else:
-                    rate = decode_rate(model, batch, args.new_tokens, args.device, vocab, mode == "graphs")
-                row["tokens_per_s"] = round(rate, 2)
-            except Exception as e:  # keep the other rows
-                row["error"] = f"{type(e).__name__}: {e}"[:500]
-            if args.device.startswith("cuda"):
-                row["gpu"] = torch.cuda.get_device_name()
-            _emit(row)
-        if mode == "graphs":
-            torch._dynamo.reset()
-            torch.compiler.reset()
+            grouped = cuda and batch * top_k <= runtime.GROUPED_MAX_PAIRS
+            row["moe_path"] = "grouped" if grouped else "loop"
+        try:
+            if mode == "graph_step":
+                rate = graph_step_rate(model, batch, args.new_tokens, vocab)
+            else:
+                rate = decode_rate(model, batch, args.new_tokens, args.device, vocab, mode == "graphs")
+            row["tokens_per_s"] = round(rate, 2)
+        except Exception as e:  # keep the other rows
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        if args.device.startswith("cuda"):
+            row["gpu"] = torch.cuda.get_device_name()
+        _emit(row)
+
+
+def decode_modes(args) -> list[str]:
+    """The decode modes timed: on CUDA with graphs ``graph_step`` and ``graphs`` (then
+    ``eager`` with ``--eager-too``), else ``eager``."""
+    if args.device.startswith("cuda") and args.graphs:
+        return ["graph_step", "graphs"] + (["eager"] if args.eager_too else [])
+    return ["eager"]
 
 
 def moe_top_k(model) -> int:
@@ -307,7 +310,7 @@ def main() -> None:
         help="decode rows of these",
     )
     p.add_argument("--json", default="bench_runtime.json")
-    p.add_argument("--one", help=argparse.SUPPRESS)  # child: w4a16 | bf16 | micro | moe_micro
+    p.add_argument("--one", help=argparse.SUPPRESS)  # child: micro | moe_micro | MODEL:MODE
     args = p.parse_args()
 
     if args.one == "micro":
@@ -325,7 +328,7 @@ def main() -> None:
     if args.moe_micro:
         children.append("moe_micro")
     if not args.micro_only:
-        children += args.models
+        children += [f"{m}:{mode}" for m in args.models for mode in decode_modes(args)]
     for child in children:
         cmd = [sys.executable, "-X", "faulthandler", __file__, *sys.argv[1:], "--one", child]
         t0 = time.perf_counter()
