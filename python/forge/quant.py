@@ -266,9 +266,9 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
     ``J L⁻¹ J`` is upper triangular with a positive diagonal, so it is the Cholesky factor
     (unique). ``L⁻¹`` is formed by blocks (:func:`_tril_inverse`): about ``2/3 C³``
     multiply-adds in all, against about ``2 C³`` for factorising, inverting and factorising
-    again. Matrices are factorised one (C >= 2048) or an eighth of the batch at a time, on
+    again. Matrices are factorised one (C > 2048) or an eighth of the batch at a time, on
     ``PREPARE_STREAMS`` CUDA streams, and written into the output: the working memory is
-    about 2.3 matrices (C >= 2048) or 0.3x the batch's Hessians per stream besides the result.
+    about 2.3 matrices (C > 2048) or 0.3x the batch's Hessians per stream besides the result.
     One host sync per attempt. fp32 throughout (TF32 is never enabled here; torch's default).
     """
     from .errors import DTypeError, HessianError, InvalidValueError, ShapeError
@@ -294,14 +294,12 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
     damp = (percdamp * fixed.double().mean(1)).float()
     damp = torch.where(damp > 0, damp, torch.full_like(damp, torch.finfo(torch.float32).tiny))
     out = torch.empty_like(hessian)
-    # Matrices factorised together (working memory ~2.3 x sub matrices): from 2048² one at a
-    # time (on an H100 torch's batched Cholesky of 7168² matrices measured 2x slower than a
-    # loop, and 64 x 2048² took 36.3 ms one at a time against 46.4 eight at a time, the same
-    # floats), smaller ones an eighth of the batch at a time (their launches, not their
-    # factorisations, are the cost). On CUDA the groups go round-robin
+    # Matrices factorised together (working memory ~2.3 x sub matrices): large ones one at a
+    # time (torch's batched Cholesky of 7168² matrices measured 2x slower than a loop on an
+    # H100), small ones an eighth of the batch at a time. On CUDA the groups go round-robin
     # over PREPARE_STREAMS streams: a single Cholesky keeps a fraction of the GPU busy (its
     # panel steps are latency-bound), several in flight fill it.
-    sub = 1 if c >= 2048 else max(1, e // 8)
+    sub = 1 if c > 2048 else max(1, e // 8)
     retries = [0] * e
     todo = list(range(e))
     for attempt in range(MAX_DAMP_RETRIES + 1):
