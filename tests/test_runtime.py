@@ -223,14 +223,39 @@ def test_moe_max_segments_matches_the_kernel_launch_bound():
                 assert moe_max_segments(pairs, e, rows) == _native.moe_max_segments(pairs, e, rows)
 
 
-def test_moe_route_off_cuda_is_the_torch_ops():
+def route_reference(ids: list[list[int]], e: int, rows: int, nseg: int):
+    """The routing table from its definition, in plain Python: pairs ``t*k + j`` sorted
+    stably by bucket (the id, or ``e`` for ids outside ``[0, e)``), each bucket's run cut into
+    segments of at most ``rows`` (first sorted position, count, bucket), zero rows up to
+    ``nseg``."""
+    k = len(ids[0])
+    pairs = [(b if 0 <= b < e else e, t * k + j) for t, row in enumerate(ids) for j, b in enumerate(row)]
+    order = [p for _, p in sorted(pairs, key=lambda bp: bp[0])]  # sorted() is stable
+    buckets = [b for b, _ in sorted(pairs, key=lambda bp: bp[0])]
+    segs, pos = [], 0
+    while pos < len(order):
+        end = pos
+        while end < len(order) and buckets[end] == buckets[pos]:
+            end += 1
+        for first in range(pos, end, rows):
+            segs.append([first, min(rows, end - first), buckets[pos]])
+        pos = end
+    segs += [[0, 0, 0]] * (nseg - len(segs))
+    return order, [p // k for p in order], segs
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_moe_route_off_cuda_is_the_torch_ops(rows):
     from forge.runtime import moe_route
 
     idx, _ = routing(16, 6, 8)
-    order, tokens, seg = moe_route(idx, 8, 2)
-    want_order, want_seg = moe_segments(idx, 8, 2)
+    order, tokens, seg = moe_route(idx, 8, rows)
+    want_order, want_seg = moe_segments(idx, 8, rows)
     assert torch.equal(order, want_order) and torch.equal(seg, want_seg)
     assert tokens.dtype == torch.int32 and torch.equal(tokens, want_order // 6)
+    # and against the definition, written out independently
+    ref_order, ref_tokens, ref_segs = route_reference(idx.tolist(), 8, rows, seg.shape[0])
+    assert order.tolist() == ref_order and tokens.tolist() == ref_tokens and seg.tolist() == ref_segs
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 6), (3, 6), (16, 6), (16, 8)])

@@ -305,6 +305,10 @@ def moe_segments(top_k_index: torch.Tensor, num_experts: int, rows: int) -> tupl
     return order.to(torch.int32), table[:nseg]
 
 
+#: Router id types the routing and combine kernels read.
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
 def moe_route(
     top_k_index: torch.Tensor, num_experts: int, rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -325,7 +329,7 @@ def _moe_route(
     pairs = top_k_index.numel()
     if (
         top_k_index.is_cuda
-        and top_k_index.dtype in (torch.int64, torch.int32)
+        and top_k_index.dtype in _ID_DTYPES
         and 0 < pairs <= _native.MOE_ROUTE_MAX_PAIRS
         and 0 < num_experts <= _native.MOE_ROUTE_MAX_EXPERTS
         and rows >= 1
@@ -400,7 +404,7 @@ def _moe_combine(
         y.is_cuda
         and y.dtype in _GEMM_DTYPES
         and top_k_weights.dtype in _WEIGHT_DTYPES
-        and top_k_index.dtype in (torch.int64, torch.int32)
+        and top_k_index.dtype in _ID_DTYPES
         and h % 8 == 0
         and 0 < t <= _native.MOE_COMBINE_MAX_TOKENS
         and y.shape == (t * k, h)
@@ -412,7 +416,7 @@ def _moe_combine(
             ya.data_ptr(),
             ya.dtype == torch.bfloat16,
             wa.data_ptr(),
-            str(wa.dtype).removeprefix("torch."),
+            str(wa.dtype),
             ids.data_ptr(),
             ids.dtype == torch.int64,
             t,

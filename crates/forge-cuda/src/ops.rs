@@ -114,6 +114,11 @@ fn check_count(name: &'static str, v: usize, most: usize) -> Result<()> {
     Ok(())
 }
 
+/// A router's top-k ids: int64 (8-byte aligned) or int32 (4-byte aligned).
+fn check_ids(ptr: u64, ids_i64: bool) -> Result<()> {
+    check_align("ids", ptr, if ids_i64 { 8 } else { 4 })
+}
+
 fn check_align(name: &'static str, ptr: u64, align: u64) -> Result<()> {
     if ptr == 0 || !ptr.is_multiple_of(align) {
         return Err(CudaError::arg(
@@ -1606,7 +1611,7 @@ impl MoeRoute {
             ));
         }
         to_i32("num_segments", 3 * self.num_segments)?;
-        check_align("ids", self.ids, if self.ids_i64 { 8 } else { 4 })?;
+        check_ids(self.ids, self.ids_i64)?;
         check_align("order", self.order, 4)?;
         check_align("tokens", self.tokens, 4)?;
         check_align("segments", self.segments, 4)?;
@@ -1676,13 +1681,7 @@ impl MoeCombine {
     /// Checks sizes, dtypes and pointers without touching the driver.
     pub fn validate(&self) -> Result<()> {
         check_act(self.act)?;
-        if self.weights_dtype == DType::F8E4M3 {
-            return Err(CudaError::arg(
-                "weights_dtype",
-                "F32, F16 or Bf16",
-                "F8E4M3",
-            ));
-        }
+        moe_weight_kind(self.weights_dtype)?;
         check_count("tokens", self.tokens, MOE_COMBINE_MAX_TOKENS)?;
         check_nonzero("top_k", self.top_k)?;
         if self.hidden == 0 || !self.hidden.is_multiple_of(8) {
@@ -1697,9 +1696,23 @@ impl MoeCombine {
         to_i32("top_k", self.top_k)?;
         check_align("y", self.y, 16)?;
         check_align("weights", self.weights, self.weights_dtype.size() as u64)?;
-        check_align("ids", self.ids, if self.ids_i64 { 8 } else { 4 })?;
+        check_ids(self.ids, self.ids_i64)?;
         check_align("out", self.out, 16)?;
         Ok(())
+    }
+}
+
+/// `moe_combine`'s `wkind` for the router weights' type: 0 F32, 1 Bf16, 2 F16.
+fn moe_weight_kind(dt: DType) -> Result<i32> {
+    match dt {
+        DType::F32 => Ok(0),
+        DType::Bf16 => Ok(1),
+        DType::F16 => Ok(2),
+        DType::F8E4M3 => Err(CudaError::arg(
+            "weights_dtype",
+            "F32, F16 or Bf16",
+            "F8E4M3",
+        )),
     }
 }
 
@@ -1713,14 +1726,8 @@ pub unsafe fn moe_combine(a: &MoeCombine, s: Stream) -> Result<()> {
     let dev = dev_of(s)?;
     let f = dev.function("moe_combine")?;
     let (mut py, mut pw, mut pi, mut po) = (a.y, a.weights, a.ids, a.out);
-    // moe_combine's `wkind`: 0 f32, 1 bf16, 2 f16 (F8E4M3 is refused by validate).
-    let wkind = match a.weights_dtype {
-        DType::F32 | DType::F8E4M3 => 0i32,
-        DType::Bf16 => 1,
-        DType::F16 => 2,
-    };
     let (mut wk, mut i64f, mut kk, mut hh, mut ee, mut bf) = (
-        wkind,
+        moe_weight_kind(a.weights_dtype)?,
         a.ids_i64 as i32,
         a.top_k as i32,
         a.hidden as i32,

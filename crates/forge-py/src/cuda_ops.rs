@@ -36,7 +36,13 @@ pub fn stream_of(t: &Tensor<'_>) -> PyResult<cu::Stream> {
 }
 
 fn cu_dtype(t: &Tensor<'_>) -> cu::DType {
-    match t.dtype {
+    cu_of(t.dtype)
+}
+
+/// The kernels' element type of a floating boundary type (the 16- and 32-bit ones; the rest
+/// are FP8 bytes).
+fn cu_of(d: DType) -> cu::DType {
+    match d {
         DType::F32 => cu::DType::F32,
         DType::F16 => cu::DType::F16,
         DType::BF16 => cu::DType::Bf16,
@@ -549,7 +555,7 @@ pub fn moe_route_launch(
 
 /// The MoE top-k weighted sum launch (see `forge_cuda::ops::moe_combine`) on plain integers:
 /// `y` (`[tokens·top_k, hidden]`, bf16 when `bf16` else f16), `weights` (`weights_dtype`:
-/// torch's name, "float32", "bfloat16" or "float16") and `ids` (int64 or int32), both
+/// `str(tensor.dtype)`, "torch.float32", "torch.bfloat16" or "torch.float16") and `ids` (int64 or int32), both
 /// `[tokens, top_k]`, and `out` (`[tokens, hidden]`, y's type), allocated by the caller with
 /// torch on that stream; launched asynchronously (legal under CUDA-graph capture).
 #[pyfunction]
@@ -570,15 +576,15 @@ pub fn moe_combine_launch(
     device: usize,
     stream: u64,
 ) -> PyResult<()> {
-    let weights_dtype = match weights_dtype {
-        "float32" => cu::DType::F32,
-        "bfloat16" => cu::DType::Bf16,
-        "float16" => cu::DType::F16,
-        other => {
+    let weights_dtype = match DType::from_torch(weights_dtype) {
+        Some(d @ (DType::F32 | DType::BF16 | DType::F16)) => cu_of(d),
+        _ => {
             return Err(raise(
                 py,
                 "DTypeError",
-                format!("weights: expected float32, bfloat16 or float16, got {other}"),
+                format!(
+                    "weights: expected torch.float32, torch.bfloat16 or torch.float16, got {weights_dtype}"
+                ),
             ))
         }
     };
