@@ -371,6 +371,33 @@ def test_prepare_hessian_batched_streams_match_cpu(monkeypatch):
         assert err < 1e-3, (i, float(err))
 
 
+@pytest.mark.parametrize("c,e", [(1024, 32), (2200, 6)])
+def test_prepare_hessian_batched_memory_within_twice_the_hessians(c, e):
+    """Preparation's peak memory above its input, the result included, stays within 2x the
+    Hessians being prepared (the factorisation, inverse and reversal run in the result's own
+    slices), for the whole-batch groups (C <= 2048) and the one-a-stream groups (C > 2048);
+    and the factors are still those of the float64 definition."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(e, 2 * c, c, generator=g)
+    h = (torch.bmm(x.transpose(1, 2), x) / x.shape[1]).cuda()
+    del x
+    forge.prepare_hessian_batched(h[:1], 0.01)  # cuSOLVER / cuBLAS handles and workspaces
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    u, _, damp, retries, _ = forge.prepare_hessian_batched(h, 0.01)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= 2 * h.numel() * 4, extra / (h.numel() * 4)
+    assert retries == [0] * e
+    for i in (0, e - 1):
+        hd = h[i].double().cpu() + damp[i] * torch.eye(c, dtype=torch.float64)
+        u_ref = torch.linalg.cholesky(torch.linalg.inv(hd), upper=True)
+        err = torch.linalg.norm(u[i].cpu().double() - u_ref) / torch.linalg.norm(u_ref)
+        assert err < 1e-3, (i, float(err))
+
+
 @pytest.mark.parametrize("t,d", [(300, 200), (4096, 2100), (16384, 2100), (16384, 12352)])
 def test_gram_blocks_match_float64(t, d):
     """calibrate.gram (one product, or from SYMMETRIC_ROWS rows the upper row panels on

@@ -178,30 +178,47 @@ def _blocks(t: torch.Tensor, s: int, row: int, col: int, step: int) -> torch.Ten
     )
 
 
-def _tril_inverse(low: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = low⁻¹`` for lower-triangular ``low (B, n, n)`` with a nonzero diagonal, level by
-    level: the diagonal blocks of the leaf size ``b`` (:func:`_tri_leaf`, ``n = b 2^L``) are
-    inverted in one batched triangular solve, then neighbouring pairs are joined, all pairs
-    of a level in one batched product: ``[[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]]``.
-    About ``n³/3`` multiply-adds in ``2 L`` GEMM launches, against ``n³`` for a triangular
-    solve with an identity right-hand side; ``out`` must not overlap ``low``."""
+def _tril_inverse_(low: torch.Tensor) -> None:
+    """``low ← low⁻¹`` in place for lower-triangular ``low (B, n, n)`` (zero above the
+    diagonal) with a nonzero diagonal, level by level: the diagonal blocks of the leaf size
+    ``b`` (:func:`_tri_leaf`, ``n = b 2^L``) are inverted in one batched triangular solve, then
+    neighbouring pairs are joined, all pairs of a level in one batched product:
+    ``[[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]]``. A level reads only blocks the
+    levels below it finished and the original ``C``, which it then replaces: one temporary
+    of ``n²/4`` a matrix at the top level. About ``n³/3`` multiply-adds in ``2 L`` GEMM
+    launches, against ``n³`` for a triangular solve with an identity right-hand side."""
     n = low.shape[-1]
     b = _tri_leaf(n)
-    out.zero_()
     leaves = _blocks(low, b, 0, 0, 1)
     eye = torch.eye(b, device=low.device, dtype=low.dtype).expand_as(leaves)
-    _blocks(out, b, 0, 0, 1).copy_(torch.linalg.solve_triangular(leaves, eye, upper=False))
+    leaves.copy_(torch.linalg.solve_triangular(leaves, eye, upper=False))
     s = b
     while s < n:  # join pairs (2k, 2k + 1) of size s through their block below the diagonal
-        a_inv, d_inv = _blocks(out, s, 0, 0, 2), _blocks(out, s, 1, 1, 2)
+        a_inv, d_inv = _blocks(low, s, 0, 0, 2), _blocks(low, s, 1, 1, 2)
         c = _blocks(low, s, 1, 0, 2)
-        _blocks(out, s, 1, 0, 2).copy_(torch.matmul(d_inv, torch.matmul(c, a_inv)).neg_())
+        c.copy_(torch.matmul(d_inv, torch.matmul(c, a_inv)).neg_())
         s *= 2
 
 
 def _flip_into(src: torch.Tensor, dst: torch.Tensor) -> None:
     """``dst = src`` with rows and columns reversed, written in place (no temporary)."""
     torch.ops.aten.flip.out(src, [0, 1], out=dst)
+
+
+def _half_turn_(t: torch.Tensor) -> None:
+    """``t (B, n, n) ← J t J`` in place (rows and columns reversed), by swapping mirrored row
+    bands a quarter of the half at a time: the temporaries are an eighth of a matrix."""
+    n = t.shape[-1]
+    half = n // 2
+    step = max(1, -(-half // 4))
+    for a in range(0, half, step):
+        z = min(step, half - a)
+        top, bottom = t[:, a : a + z], t[:, n - a - z : n - a]
+        band = top.flip(1, 2)
+        top.copy_(bottom.flip(1, 2))
+        bottom.copy_(band)
+    if n % 2:
+        t[:, half].copy_(t[:, half].flip(1))
 
 
 PREPARE_STREAMS = 4
@@ -231,10 +248,16 @@ def _round_robin(device: torch.device, n: int):
 
 def _factor_group(hessian, ids: list[int], ids_t: torch.Tensor, perm, fixed, damp, out) -> torch.Tensor:
     """Writes ``U`` of matrices ``ids`` (``ids_t`` on the device) into ``out``; returns their
-    success mask (on the device). No host sync."""
+    success mask (on the device). No host sync. Consecutive ``ids`` (every first attempt)
+    are factorised in their own slice of ``out``; the scattered ids of a retry in a copy."""
     c = hessian.shape[-1]
+    i0 = ids[0]
+    in_place = ids == list(range(i0, i0 + len(ids)))
+    if in_place:
+        work = out[i0 : i0 + len(ids)]
+    else:
+        work = torch.empty(len(ids), c, c, device=hessian.device, dtype=torch.float32)
     # work[m] = J Pᵀ (H + damp I) P J: processing order, reversed
-    work = torch.empty(len(ids), c, c, device=hessian.device, dtype=torch.float32)
     for m, i in enumerate(ids):
         if perm is None:
             _flip_into(hessian[i], work[m])
@@ -243,11 +266,16 @@ def _factor_group(hessian, ids: list[int], ids_t: torch.Tensor, perm, fixed, dam
             torch.index_select(hessian[i].index_select(0, rev), 1, rev, out=work[m])
     d = fixed[ids_t].flip(1) if perm is None else torch.gather(fixed[ids_t], 1, perm[ids_t].flip(1))
     work.diagonal(dim1=1, dim2=2).copy_(d + damp[ids_t, None])
-    low, info = torch.linalg.cholesky_ex(work)
-    _tril_inverse(low, work)
-    del low
-    for m, i in enumerate(ids):
-        _flip_into(work[m], out[i])
+    # L with J Pᵀ(H + damp I)P J = L Lᵀ, in place: an upper factorisation of the transposed
+    # view, which is column-major (LAPACK's and cuSOLVER's layout, so torch needs no copy),
+    # leaves Lᵀ there and L in `work`.
+    info = torch.empty(len(ids), device=hessian.device, dtype=torch.int32)
+    torch.linalg.cholesky_ex(work.mT, upper=True, out=(work.mT, info))
+    _tril_inverse_(work)  # L⁻¹
+    _half_turn_(work)  # U = J L⁻¹ J
+    if not in_place:
+        for m, i in enumerate(ids):
+            out[i].copy_(work[m])
     # A NaN or Inf anywhere makes the matrix's sum non-finite (one pass, where isfinite
     # runs four); a sum beyond float32's range fails it too, and it is retried damped.
     good = (info == 0) & torch.isfinite(work.sum(dim=(1, 2)))
@@ -266,9 +294,10 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
     ``J L⁻¹ J`` is upper triangular with a positive diagonal, so it is the Cholesky factor
     (unique). ``L⁻¹`` is formed by blocks (:func:`_tril_inverse`): about ``2/3 C³``
     multiply-adds in all, against about ``2 C³`` for factorising, inverting and factorising
-    again. Matrices are factorised one (C > 2048) or an eighth of the batch at a time, on
-    ``PREPARE_STREAMS`` CUDA streams, and written into the output: the working memory is
-    about 2.3 matrices (C > 2048) or 0.3x the batch's Hessians per stream besides the result.
+    again. Matrices are factorised one at a time on ``PREPARE_STREAMS`` CUDA streams (C >
+    2048) or the whole batch at once, each in its own slice of the output (the Cholesky
+    factor, its inverse and the reversal all in place): the working memory is about half a
+    matrix per matrix in flight besides the result (the inverse's top-level products).
     One host sync per attempt. fp32 throughout (TF32 is never enabled here; torch's default).
     """
     from .errors import DTypeError, HessianError, InvalidValueError, ShapeError
@@ -294,12 +323,13 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
     damp = (percdamp * fixed.double().mean(1)).float()
     damp = torch.where(damp > 0, damp, torch.full_like(damp, torch.finfo(torch.float32).tiny))
     out = torch.empty_like(hessian)
-    # Matrices factorised together (working memory ~2.3 x sub matrices): large ones one at a
+    # Matrices factorised together (working memory ~0.5 x sub matrices): large ones one at a
     # time (torch's batched Cholesky of 7168² matrices measured 2x slower than a loop on an
-    # H100), small ones an eighth of the batch at a time. On CUDA the groups go round-robin
-    # over PREPARE_STREAMS streams: a single Cholesky keeps a fraction of the GPU busy (its
-    # panel steps are latency-bound), several in flight fill it.
-    sub = 1 if c > 2048 else max(1, e // 8)
+    # H100), small ones all at once (64 x 2048² on an H100: 36.3 ms, against 46.4 in groups
+    # of an eighth on 4 streams; benches/results-h100-bench_cuda-2026-11-27.json). On CUDA the
+    # groups go round-robin over PREPARE_STREAMS streams: a single Cholesky keeps a fraction
+    # of the GPU busy (its panel steps are latency-bound), several in flight fill it.
+    sub = 1 if c > 2048 else e
     retries = [0] * e
     todo = list(range(e))
     for attempt in range(MAX_DAMP_RETRIES + 1):
