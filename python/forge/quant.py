@@ -14,7 +14,8 @@ the GIL. Shapes follow one convention everywhere:
 
 from __future__ import annotations
 
-import contextlib
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -225,25 +226,49 @@ PREPARE_STREAMS = 4
 """CUDA streams over which :func:`prepare_hessian_batched` spreads its factorisations."""
 
 
-@contextlib.contextmanager
-def _round_robin(device: torch.device, n: int):
-    """``with _round_robin(device, n) as on: ... with on(i): work`` runs work ``i`` on CUDA
-    stream ``i % n`` (on the current stream on the CPU or for ``n <= 1``). The streams first
-    wait for the current one, and the current one waits for all of them on exit, so tensors
-    made before and used after are ordered as in one stream; tensors made inside and used
-    after must stay referenced until the exit (their memory belongs to the side stream)."""
-    if device.type != "cuda" or n <= 1:
-        yield lambda i: contextlib.nullcontext()
-        return
+_LANES: dict[tuple[int, int], tuple[ThreadPoolExecutor, list]] = {}
+
+
+def _lanes(device: torch.device, n: int) -> tuple[ThreadPoolExecutor, list]:
+    """``n`` host threads and ``n`` CUDA streams on ``device``, made once per process: a
+    thread keeps its cuBLAS / cuSOLVER handles and a (handle, stream) pair its cuBLAS
+    workspace, so fixed streams keep those to ``n``. The first call also runs torch's lazy
+    linear-algebra initialisation on this thread, which is not safe to race from several
+    (pytorch/pytorch#90613: "lazy wrapper should be called at most once")."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), n)
+    lanes = _LANES.get(key)
+    if lanes is None:
+        torch.linalg.cholesky_ex(torch.ones(1, 1, device=device))
+        pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="forge-prepare")
+        lanes = _LANES[key] = (pool, [torch.cuda.Stream(device) for _ in range(n)])
+    return lanes
+
+
+def _on_streams(device: torch.device, n: int, jobs: list) -> list:
+    """The results of ``jobs`` (callables), job ``i`` run on CUDA stream ``i % n``, each stream
+    driven by its own host thread (in order on the current stream on the CPU, for ``n <= 1``
+    or for one job). Each thread has its own cuSOLVER and cuBLAS handles: Cholesky
+    factorisations sharing one handle on concurrent streams were not repeatable (C = 7168 on
+    an H100: factors 1 ulp apart between identical calls), with one handle a stream they are,
+    at the same speed. The streams first wait for the current one, and the current one waits
+    for all of them before this returns."""
+    if device.type != "cuda" or n <= 1 or len(jobs) <= 1:
+        return [job() for job in jobs]
+    pool, streams = _lanes(device, n)
     here = torch.cuda.current_stream(device)
-    streams = [torch.cuda.Stream(device) for _ in range(n)]
     for s in streams:
         s.wait_stream(here)
+
+    def lane(j: int) -> list:
+        with torch.cuda.device(device), torch.cuda.stream(streams[j]):
+            return [jobs[i]() for i in range(j, len(jobs), n)]
+
     try:
-        yield lambda i: torch.cuda.stream(streams[i % n])
+        lanes = list(pool.map(lane, range(min(n, len(jobs)))))
     finally:
         for s in streams:
             here.wait_stream(s)
+    return [lanes[i % n][i // n] for i in range(len(jobs))]
 
 
 def _factor_group(hessian, ids: list[int], ids_t: torch.Tensor, perm, fixed, damp, out) -> torch.Tensor:
@@ -327,19 +352,21 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
     # time (torch's batched Cholesky of 7168² matrices measured 2x slower than a loop on an
     # H100), small ones all at once (64 x 2048² on an H100: 36.3 ms, against 46.4 in groups
     # of an eighth on 4 streams; benches/results-h100-bench_cuda-2026-11-27.json). On CUDA the
-    # groups go round-robin over PREPARE_STREAMS streams: a single Cholesky keeps a fraction
-    # of the GPU busy (its panel steps are latency-bound), several in flight fill it.
+    # groups go round-robin over PREPARE_STREAMS streams, each driven by its own host thread
+    # (_on_streams): a single Cholesky keeps a fraction of the GPU busy (its panel steps are
+    # latency-bound), several in flight fill it.
     sub = 1 if c > 2048 else e
     retries = [0] * e
     todo = list(range(e))
     for attempt in range(MAX_DAMP_RETRIES + 1):
-        oks = []
         todo_t = torch.tensor(todo, device=hessian.device)  # one copy; slices of it need none
-        with _round_robin(hessian.device, PREPARE_STREAMS) as on:
-            for j in range(0, len(todo), sub):
-                with on(j // sub):
-                    ids = todo[j : j + sub]
-                    oks.append(_factor_group(hessian, ids, todo_t[j : j + sub], perm, fixed, damp, out))
+        jobs = [
+            functools.partial(
+                _factor_group, hessian, todo[j : j + sub], todo_t[j : j + sub], perm, fixed, damp, out
+            )
+            for j in range(0, len(todo), sub)
+        ]
+        oks = _on_streams(hessian.device, PREPARE_STREAMS, jobs)
         ok = torch.cat(oks).tolist()
         todo = [i for i, good in zip(todo, ok, strict=True) if not good]
         if not todo:
