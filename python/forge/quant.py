@@ -222,7 +222,7 @@ def _half_turn_(t: torch.Tensor) -> None:
         t[:, half].copy_(t[:, half].flip(1))
 
 
-PREPARE_STREAMS = 4
+PREPARE_STREAMS = 8
 """CUDA streams over which :func:`prepare_hessian_batched` spreads its factorisations."""
 
 
