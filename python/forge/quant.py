@@ -226,49 +226,58 @@ PREPARE_STREAMS = 8
 """CUDA streams over which :func:`prepare_hessian_batched` spreads its factorisations."""
 
 
-_LANES: dict[tuple[int, int], tuple[ThreadPoolExecutor, list]] = {}
+_LANES: dict[int, list[tuple[ThreadPoolExecutor, torch.cuda.Stream]]] = {}
 
 
-def _lanes(device: torch.device, n: int) -> tuple[ThreadPoolExecutor, list]:
-    """``n`` host threads and ``n`` CUDA streams on ``device``, made once per process: a
-    thread keeps its cuBLAS / cuSOLVER handles and a (handle, stream) pair its cuBLAS
-    workspace, so fixed streams keep those to ``n``. The first call also runs torch's lazy
-    linear-algebra initialisation on this thread, which is not safe to race from several
-    (pytorch/pytorch#90613: "lazy wrapper should be called at most once")."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), n)
-    lanes = _LANES.get(key)
-    if lanes is None:
+def _lanes(device: torch.device, n: int) -> list[tuple[ThreadPoolExecutor, torch.cuda.Stream]]:
+    """The first ``n`` lanes of ``device``: lane ``j`` is one host thread (its own executor)
+    and one CUDA stream, always together, made once per process: a thread keeps its cuBLAS /
+    cuSOLVER handles and a (handle, stream) pair its cuBLAS workspace. The first call also
+    runs torch's lazy linear-algebra initialisation on this thread, which is not safe to race
+    from several (pytorch/pytorch#90613: "lazy wrapper should be called at most once")."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    lanes = _LANES.setdefault(key, [])
+    if not lanes:
         torch.linalg.cholesky_ex(torch.ones(1, 1, device=device))
-        pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="forge-prepare")
-        lanes = _LANES[key] = (pool, [torch.cuda.Stream(device) for _ in range(n)])
-    return lanes
+    while len(lanes) < n:
+        lanes.append(
+            (
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"forge-prepare-{len(lanes)}"),
+                torch.cuda.Stream(device),
+            )
+        )
+    return lanes[:n]
 
 
 def _on_streams(device: torch.device, n: int, jobs: list) -> list:
-    """The results of ``jobs`` (callables), job ``i`` run on CUDA stream ``i % n``, each stream
-    driven by its own host thread (in order on the current stream on the CPU, for ``n <= 1``
-    or for one job). Each thread has its own cuSOLVER and cuBLAS handles: Cholesky
-    factorisations sharing one handle on concurrent streams were not repeatable (C = 7168 on
-    an H100: factors 1 ulp apart between identical calls), with one handle a stream they are,
-    at the same speed. The streams first wait for the current one, and the current one waits
-    for all of them before this returns."""
-    if device.type != "cuda" or n <= 1 or len(jobs) <= 1:
+    """The results of ``jobs`` (callables), job ``i`` run on lane ``i % n`` (:func:`_lanes`:
+    its own host thread and CUDA stream); in order on the current stream on the CPU, for
+    ``n <= 1`` or for one job. A stream is only ever driven by its own thread, so by its own
+    cuSOLVER and cuBLAS handles: Cholesky factorisations sharing one handle on concurrent
+    streams were not repeatable (C = 7168 on an H100: factors 1 ulp apart between identical
+    calls); one handle a stream, they are, at the same speed. The streams first wait for the
+    current one, and the current one waits for all of them before this returns."""
+    n = min(n, len(jobs))
+    if device.type != "cuda" or n <= 1:
         return [job() for job in jobs]
-    pool, streams = _lanes(device, n)
+    lanes = _lanes(device, n)
     here = torch.cuda.current_stream(device)
-    for s in streams:
+    for _, s in lanes:
         s.wait_stream(here)
 
     def lane(j: int) -> list:
-        with torch.cuda.device(device), torch.cuda.stream(streams[j]):
+        with torch.cuda.device(device), torch.cuda.stream(lanes[j][1]):
             return [jobs[i]() for i in range(j, len(jobs), n)]
 
+    futures = [pool.submit(lane, j) for j, (pool, _) in enumerate(lanes)]
     try:
-        lanes = list(pool.map(lane, range(min(n, len(jobs)))))
+        done = [f.result() for f in futures]
     finally:
-        for s in streams:
+        for f in futures:  # every lane's launches are issued before the streams are joined
+            f.exception()
+        for _, s in lanes:
             here.wait_stream(s)
-    return [lanes[i % n][i // n] for i in range(len(jobs))]
+    return [done[i % n][i // n] for i in range(len(jobs))]
 
 
 def _factor_group(hessian, ids: list[int], ids_t: torch.Tensor, perm, fixed, damp, out) -> torch.Tensor:
@@ -321,8 +330,10 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
     multiply-adds in all, against about ``2 C³`` for factorising, inverting and factorising
     again. Matrices are factorised one at a time on ``PREPARE_STREAMS`` CUDA streams (C >
     2048) or the whole batch at once, each in its own slice of the output (the Cholesky
-    factor, its inverse and the reversal all in place): the working memory is about half a
-    matrix per matrix in flight besides the result (the inverse's top-level products).
+    factor, its inverse and the reversal all in place): besides the result, the working
+    memory is about half a matrix per matrix of a batched group and about one per matrix
+    factorised alone (the inverse's products, the copies torch makes of strided blocks and
+    cuSOLVER's workspace), with at most half as many of those in flight as the batch holds.
     One host sync per attempt. fp32 throughout (TF32 is never enabled here; torch's default).
     """
     from .errors import DTypeError, HessianError, InvalidValueError, ShapeError
@@ -366,7 +377,10 @@ def prepare_hessian_batched(hessian: torch.Tensor, percdamp: float = 0.01, act_o
             )
             for j in range(0, len(todo), sub)
         ]
-        oks = _on_streams(hessian.device, PREPARE_STREAMS, jobs)
+        # At most half as many lanes as matrices: each in flight holds about one matrix of
+        # working memory (the inverse's products and the copies torch makes of strided
+        # blocks), which stays within the batch's own size.
+        oks = _on_streams(hessian.device, min(PREPARE_STREAMS, max(1, len(jobs) // 2)), jobs)
         ok = torch.cat(oks).tolist()
         todo = [i for i, good in zip(todo, ok, strict=True) if not good]
         if not todo:
