@@ -223,7 +223,8 @@ def _half_turn_(t: torch.Tensor) -> None:
 
 
 PREPARE_STREAMS = 8
-"""CUDA streams over which :func:`prepare_hessian_batched` spreads its factorisations."""
+"""Most CUDA streams (lanes of :func:`_lanes`) over which :func:`prepare_hessian_batched`
+spreads its factorisations; it uses at most half as many as it has matrices."""
 
 
 _LANES: dict[int, list[tuple[ThreadPoolExecutor, torch.cuda.Stream]]] = {}
