@@ -430,7 +430,9 @@ def bench_prep(rows, batch):
         # Memory and results from one call each; times the median of three after a warm-up on
         # the whole batch (a first call's cuSOLVER workspaces and batch shapes are not timed:
         # on an H100 the peer's first call took 189 ms where later ones took 124).
-        forge.prepare_hessian_batched(h[:1], 0.01)  # cuSOLVER handles, before the memory is measured
+        # Once a process, before the memory is measured: every stream's host thread, cuSOLVER /
+        # cuBLAS handles and workspaces (~40 MB a stream), as tests/test_cuda.py does.
+        forge.prepare_hessian_batched(h, 0.01)
         prepare_peer(h[:1])
         (u, _, damp, _, _), _, m_ours = peak_extra(lambda h=h: forge.prepare_hessian_batched(h, 0.01))
         res_ours = inverse_residual(u[0], h[0], damp[0])

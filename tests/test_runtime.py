@@ -230,8 +230,8 @@ def route_reference(ids: list[list[int]], e: int, rows: int, nseg: int):
     ``nseg``."""
     k = len(ids[0])
     pairs = [(b if 0 <= b < e else e, t * k + j) for t, row in enumerate(ids) for j, b in enumerate(row)]
-    order = [p for _, p in sorted(pairs, key=lambda bp: bp[0])]  # sorted() is stable
-    buckets = [b for b, _ in sorted(pairs, key=lambda bp: bp[0])]
+    ranked = sorted(pairs, key=lambda bp: bp[0])  # sorted() is stable
+    order, buckets = [p for _, p in ranked], [b for b, _ in ranked]
     segs, pos = [], 0
     while pos < len(order):
         end = pos
