@@ -389,6 +389,41 @@ def test_prepare_hessian_batched_repeatable_at_deepseek_width():
         del again
 
 
+def test_prepare_hessian_batched_first_calls_from_two_threads():
+    """Two host threads making a fresh process's first preparations at the same moment (both
+    making the lanes and torch's lazy linear-algebra state) get the factors one thread alone
+    gets afterwards, bit for bit, and the process made each lane once."""
+    script = (
+        "import threading, torch, forge\n"
+        "from forge import quant\n"
+        "g = torch.Generator().manual_seed(5)\n"
+        "hs = []\n"
+        "for _ in range(2):\n"
+        "    x = torch.randn(4, 4400, 2200, generator=g)\n"
+        "    hs.append((torch.bmm(x.transpose(1, 2), x) / 4400).cuda())\n"
+        "go, got, errs = threading.Barrier(2), [None, None], []\n"
+        "def run(i):\n"
+        "    try:\n"
+        "        go.wait()\n"
+        "        got[i] = forge.prepare_hessian_batched(hs[i], 0.01)[0]\n"
+        "    except BaseException as e:\n"
+        "        errs.append(repr(e))\n"
+        "ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]\n"
+        "[t.start() for t in ts]\n"
+        "[t.join() for t in ts]\n"
+        "assert not errs, errs\n"
+        "for i in range(2):\n"
+        "    again = forge.prepare_hessian_batched(hs[i], 0.01)[0]\n"
+        "    assert torch.equal(again, got[i]), (i, float((again - got[i]).abs().max()))\n"
+        "lanes = [l for ls in quant._LANES.values() for l in ls]\n"
+        "assert len({id(s) for _, s in lanes}) == len(lanes) == 2, len(lanes)\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "ok"
+
+
 @pytest.mark.parametrize("c,e", [(1024, 32), (2200, 6)])
 def test_prepare_hessian_batched_memory_within_twice_the_hessians(c, e):
     """Preparation's peak memory above its input, the result included, stays within 2x the

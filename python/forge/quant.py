@@ -15,6 +15,7 @@ the GIL. Shapes follow one convention everywhere:
 from __future__ import annotations
 
 import functools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -230,6 +231,7 @@ spreads its factorisations; it uses at most half as many as it has matrices."""
 
 
 _LANES: dict[int, list[tuple[ThreadPoolExecutor, torch.cuda.Stream]]] = {}
+_LANES_LOCK = threading.Lock()
 
 
 def _lanes(device: torch.device, n: int) -> list[tuple[ThreadPoolExecutor, torch.cuda.Stream]]:
@@ -237,19 +239,21 @@ def _lanes(device: torch.device, n: int) -> list[tuple[ThreadPoolExecutor, torch
     and one CUDA stream, always together, made once per process: a thread keeps its cuBLAS /
     cuSOLVER handles and a (handle, stream) pair its cuBLAS workspace. The first call also
     runs torch's lazy linear-algebra initialisation on this thread, which is not safe to race
-    from several (pytorch/pytorch#90613: "lazy wrapper should be called at most once")."""
+    from several (pytorch/pytorch#90613: "lazy wrapper should be called at most once"). Lanes
+    are made under a lock: callers on several host threads share them, never duplicate them."""
     key = device.index if device.index is not None else torch.cuda.current_device()
-    lanes = _LANES.setdefault(key, [])
-    if not lanes:
-        torch.linalg.cholesky_ex(torch.ones(1, 1, device=device))
-    while len(lanes) < n:
-        lanes.append(
-            (
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"forge-prepare-{len(lanes)}"),
-                torch.cuda.Stream(device),
+    with _LANES_LOCK:
+        lanes = _LANES.setdefault(key, [])
+        if not lanes:
+            torch.linalg.cholesky_ex(torch.ones(1, 1, device=device))
+        while len(lanes) < n:
+            lanes.append(
+                (
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"forge-prepare-{len(lanes)}"),
+                    torch.cuda.Stream(device),
+                )
             )
-        )
-    return lanes[:n]
+        return lanes[:n]
 
 
 def _on_streams(device: torch.device, n: int, jobs: list) -> list:
