@@ -256,14 +256,25 @@ def test_resume_from_an_older_state_redoes_the_layers_after_it(monkeypatch, src,
     forge.verify(part)
 
 
-def test_activation_placements_give_the_same_checkpoint(src, ids_file, tmp_path):
-    """Activations in files (no attention cache) against the in-memory default, whose
-    Hessians and next-layer inputs the reference tests above check. (On a CPU machine
-    ``auto`` is ``cpu``; the GPU placements are compared in the cuda tests.)"""
+def test_activation_placements_give_the_same_checkpoint(monkeypatch, src, ids_file, tmp_path):
+    """Activations in files against the in-memory default, whose Hessians and next-layer
+    inputs the reference tests above check; the attention residuals are written over the
+    chunks in files too (as many full-layer forwards). (On a CPU machine ``auto`` is ``cpu``;
+    the GPU placements are compared in the cuda tests.)"""
     where = "disk"
+    calls = {"full": 0}
+    full = calibrate._forward
+
+    def counting(*a, **k):
+        calls["full"] += 1
+        return full(*a, **k)
+
+    monkeypatch.setattr(calibrate, "_forward", counting)
     forge.quantize_model(src, tmp_path / "auto", **_opts(ids_file))
+    in_memory, calls["full"] = calls["full"], 0
     rep = forge.quantize_model(src, tmp_path / where, **_opts(ids_file, activations=where))
     assert any("activations on disk" in n for n in rep.notes), rep.notes
+    assert calls["full"] == in_memory, (calls["full"], in_memory)
     files = sorted((tmp_path / "auto").glob("*.safetensors"))
     assert files
     for f in files:
@@ -461,9 +472,19 @@ def test_gptq_run_on_cuda_agrees_with_the_cpu(src, ids_file, tmp_path):
 def test_routed_inputs_in_host_memory_give_the_same_checkpoint(monkeypatch, src, ids_file, tmp_path):
     """When the collected expert inputs do not fit on the GPU they live in pinned host memory
     and are gathered from there, and activations kept in host memory stream through reused
-    page-locked buffers: the same checkpoint, byte for byte."""
+    page-locked buffers (the attention residuals written over them as on the GPU, so no more
+    full-layer forwards): the same checkpoint, byte for byte."""
     _small_blocks(monkeypatch, True)
+    calls = {"full": 0}
+    full = calibrate._forward
+
+    def counting(*a, **k):
+        calls["full"] += 1
+        return full(*a, **k)
+
+    monkeypatch.setattr(calibrate, "_forward", counting)
     forge.quantize_model(src, tmp_path / "dev", **_opts(ids_file, device="cuda"))
+    on_device, calls["full"] = calls["full"], 0
     made = []
     real = calibrate._Collected.__init__
 
@@ -475,6 +496,7 @@ def test_routed_inputs_in_host_memory_give_the_same_checkpoint(monkeypatch, src,
     monkeypatch.setattr(calibrate._Collected, "DEVICE_SHARE", 0.0)
     forge.quantize_model(src, tmp_path / "host", **_opts(ids_file, device="cuda", activations="cpu"))
     assert made and set(made) == {"cpu"}
+    assert calls["full"] == on_device, (calls["full"], on_device)
     for f in sorted((tmp_path / "dev").glob("*.safetensors")):
         assert (tmp_path / "host" / f.name).read_bytes() == f.read_bytes(), f.name
 

@@ -651,16 +651,16 @@ def _gpu_total(device: torch.device) -> int:
 
 
 def _where(opts: dict, device: torch.device, nbytes: int, layer_bytes: int) -> str:
-    """Where the activations (``nbytes``) live: on the GPU when it holds them three times
-    (the chunks, the attention cache, the collected expert inputs) beside the largest layer
-    in the compute dtype (at most twice its source bytes, FP8 to bf16) and the solves'
-    reserve; else in host memory when it holds them twice (the chunks, and the expert inputs
-    when the GPU cannot); else on disk."""
+    """Where the activations (``nbytes``) live: on the GPU when it holds them twice (the
+    chunks, which the attention residuals overwrite in place, and the collected expert
+    inputs) beside the largest layer in the compute dtype (at most twice its source bytes,
+    FP8 to bf16) and the solves' reserve; else in host memory when it holds them twice (the
+    chunks, and the expert inputs when the GPU cannot); else on disk."""
     want = opts["activations"]
     if want != "auto":
         return want
     if device.type == "cuda":
-        need = 3 * nbytes + 2 * layer_bytes + _SOLVE_RESERVE * _gpu_total(device)
+        need = 2 * nbytes + 2 * layer_bytes + _SOLVE_RESERVE * _gpu_total(device)
         if need <= _gpu_room(device):
             return "gpu"
     return "cpu" if 2 * nbytes < 0.8 * _host_room() else "disk"
@@ -1457,58 +1457,57 @@ attention residual ``h`` (checked against transformers' source by the tests)."""
 
 
 class _AttnCache:
-    """The attention half's output (the residual entering ``post_attention_layernorm``) per
-    calibration chunk, once every attention linear of the layer is final: the later stages
-    and the final pass then run only ``h + mlp(norm(h))`` instead of the whole layer (for a
-    DeepSeek-V3 MoE layer, two attention passes instead of four). Kept on the compute
-    device, only when the activations are kept there too and the copy fits beside the
-    collected expert inputs and the solves' reserve (``_SOLVE_RESERVE``); otherwise the layer
-    is simply rerun (a copy in host memory costs more in page-locked allocations and
-    transfers than the attention it saves)."""
+    """The attention half's output (the residual entering ``post_attention_layernorm``) of each
+    calibration chunk, once every attention linear of the layer is final, written over that
+    chunk's layer input in ``hidden`` (nothing later in the layer reads the input again): the
+    later stages and the final pass then run only ``h + mlp(norm(h))`` instead of the whole
+    layer (for a DeepSeek-V3 MoE layer, two attention passes instead of four). No memory
+    beyond the activations themselves, wherever they live (GPU, host or files). Which chunks
+    hold their residual is tracked chunk by chunk, so a forward that stopped before the norm
+    leaves its chunk's input in place and that chunk is simply rerun."""
 
     def __init__(self, layer, hidden: _Store):
-        self.store: _Store | None = None
-        self.filled = False
-        dev = hidden.device
-        on_device = "gpu" if dev.type == "cuda" else "cpu"
-        if type(layer).__name__ not in _MLP_TAIL_LAYERS or hidden.where != on_device:
-            return
-        nbytes = hidden.nbytes()
-        if dev.type == "cuda":
-            fits = 2 * nbytes + _SOLVE_RESERVE * _gpu_total(dev) <= _gpu_room(dev)
-        else:
-            fits = 4 * nbytes < 0.5 * _host_room()
-        if fits:
+        self.hidden = hidden
+        self.on = type(layer).__name__ in _MLP_TAIL_LAYERS
+        self.residual: set[int] = set()  # chunks whose slot holds the residual
+        self.handle = None
+        self.ci: int | None = None
+        if self.on:
             self.norm, self.mlp = layer.post_attention_layernorm, layer.mlp
-            self.store = _Store(on_device, dev, None)
 
     def start(self) -> bool:
         """Starts recording (one stage's forwards, chunk by chunk, once the attention is
         final); False when there is nothing to do."""
-        if self.store is None or self.filled:
+        if not self.on or len(self.residual) == len(self.hidden):
             return False
-        self.store.drop()
-        self.handle = self.norm.register_forward_pre_hook(lambda _m, args: self.store.append(args[0]))
+        self.handle = self.norm.register_forward_pre_hook(self._record)
         return True
 
-    def stop(self, chunks: int) -> None:
-        """Ends recording: filled when every chunk's forward reached the norm once."""
+    def _record(self, _m, args) -> None:
+        ci = self.ci
+        if ci is not None and ci not in self.residual:
+            self.hidden[ci] = args[0]
+            self.residual.add(ci)
+
+    def stop(self) -> None:
+        """Ends recording."""
         self.handle.remove()
-        self.filled = len(self.store) == chunks
-        if not self.filled:
-            self.store.drop()
+        self.handle = None
 
     def forward(self, layer, hidden: _Store, ci: int, rotary) -> torch.Tensor:
-        """The layer's output for chunk ``ci``: from the cached residual when filled."""
-        if not self.filled:
+        """The layer's output for chunk ``ci``: from its residual once recorded."""
+        if ci in self.residual:
+            h = hidden[ci]
+            return h + self.mlp(self.norm(h))
+        self.ci = ci
+        try:
             return _forward(layer, hidden[ci], rotary)
-        h = self.store[ci]
-        return h + self.mlp(self.norm(h))
+        finally:
+            self.ci = None
 
     def drop(self) -> None:
-        if self.store is not None:
-            self.store.drop()
-        self.filled = False
+        """Forgets the residuals (the final pass has replaced them by the next layer's inputs)."""
+        self.residual.clear()
 
 
 def _input_hook(hs: dict, rel: str, seen: dict, aliases: dict, needed: int, stop: bool):
@@ -1594,7 +1593,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
         if collect and prune_now:
             # The statistics of the unpruned layer (its inputs already through the quantized
             # stages before), then the layer pruned before its kept experts are solved.
-            _stats_pass(ctx, layer, routed, moe_attr, stats, hidden, chunks, rotary, li, False)
+            _stats_pass(ctx, layer, routed, moe_attr, stats, hidden, chunks, rotary, li, False, cache)
             _prune(ctx, layer, routed, moe_attr, li, stats)
             stats_done = True
         hs: dict[str, _Hessian] = {}
@@ -1638,7 +1637,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             if gate_hook is not None:
                 gate_hook.remove()
             if recording:
-                cache.stop(len(chunks))
+                cache.stop()
         seen_in.clear()
         # Solve the stage's dense linears; same-input linears (q_a/kv_a, gate/up) are solved
         # separately with their shared Hessian, since GPTQ rows are independent.
@@ -1682,7 +1681,8 @@ def _forward_chunks(
     layer, hidden: _Store, chunks, rotary, li: int, phase: str, store: bool, cache: _AttnCache | None = None
 ) -> None:
     """Runs the layer over every calibration chunk (NaN/Inf refused); with ``store`` its outputs
-    replace the chunks as the next layer's inputs. A filled ``cache`` skips the attention."""
+    replace the chunks as the next layer's inputs. Chunks whose attention residual ``cache``
+    holds skip the attention."""
     with torch.no_grad():
         for ci in range(len(chunks)):
             with PHASES(phase):
@@ -1732,6 +1732,7 @@ def _stats_pass(
     rotary,
     li: int,
     store: bool,
+    cache: _AttnCache | None = None,
 ) -> None:
     """One forward of the (unpruned) layer over every chunk, recording the router statistics:
     routed-token counts and probability mass from the router's own output, REAP sums from the
@@ -1748,7 +1749,7 @@ def _stats_pass(
 
     handle = gate.register_forward_hook(hook)
     try:
-        _forward_chunks(layer, hidden, chunks, rotary, li, "forward (router statistics)", store)
+        _forward_chunks(layer, hidden, chunks, rotary, li, "forward (router statistics)", store, cache)
     finally:
         handle.remove()
         routed.stats = None
