@@ -1456,7 +1456,7 @@ _MLP_TAIL_LAYERS = frozenset(
 attention residual ``h`` (checked against transformers' source by the tests)."""
 
 
-class _AttnCache:
+class _AttnResiduals:
     """The attention half's output (the residual entering ``post_attention_layernorm``) of each
     calibration chunk, once every attention linear of the layer is final, written over that
     chunk's layer input in ``hidden`` (nothing later in the layer reads the input again): the
@@ -1586,14 +1586,14 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
     attn_last = max(
         (si for si, st in enumerate(stages) if any(n.startswith("self_attn.") for n in st)), default=-1
     )
-    cache = _AttnCache(layer, hidden)
+    residuals = _AttnResiduals(layer, hidden)
     for si, stage in enumerate(stages):
         lin = [s for s in stage if s != "<experts>"]
         collect = "<experts>" in stage
         if collect and prune_now:
             # The statistics of the unpruned layer (its inputs already through the quantized
             # stages before), then the layer pruned before its kept experts are solved.
-            _stats_pass(ctx, layer, routed, moe_attr, stats, hidden, chunks, rotary, li, False, cache)
+            _stats_pass(ctx, layer, routed, moe_attr, stats, hidden, chunks, rotary, li, False, residuals)
             _prune(ctx, layer, routed, moe_attr, li, stats)
             stats_done = True
         hs: dict[str, _Hessian] = {}
@@ -1622,13 +1622,13 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
                 stats.add_routing(logits, idx, fam.scoring)
 
             gate_hook = gate_mod.register_forward_hook(ghook)
-        recording = si > attn_last and cache.start()
+        recording = si > attn_last and residuals.start()
         try:
             for ci in range(len(chunks)):
                 seen_in.clear()
                 try:
                     with torch.no_grad(), PHASES("forward"):
-                        cache.forward(layer, hidden, ci, rotary)
+                        residuals.forward(layer, hidden, ci, rotary)
                 except _StopForward:
                     pass
         finally:
@@ -1637,7 +1637,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             if gate_hook is not None:
                 gate_hook.remove()
             if recording:
-                cache.stop()
+                residuals.stop()
         seen_in.clear()
         # Solve the stage's dense linears; same-input linears (q_a/kv_a, gate/up) are solved
         # separately with their shared Hessian, since GPTQ rows are independent.
@@ -1670,24 +1670,33 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
         else:
             # REAP is recorded once: by the statistics pass or the experts' output pass.
             routed.stats = stats if routed_rows is None and not stats_done else None
-    _final_pass(ctx, layer, routed, hidden, chunks, rotary, li, mode, cache)
-    cache.drop()
+    _final_pass(ctx, layer, routed, hidden, chunks, rotary, li, mode, residuals)
+    residuals.drop()
     if stats is not None:
         ctx.stats[li] = stats
     del layer, routed
 
 
 def _forward_chunks(
-    layer, hidden: _Store, chunks, rotary, li: int, phase: str, store: bool, cache: _AttnCache | None = None
+    layer,
+    hidden: _Store,
+    chunks,
+    rotary,
+    li: int,
+    phase: str,
+    store: bool,
+    residuals: _AttnResiduals | None = None,
 ) -> None:
     """Runs the layer over every calibration chunk (NaN/Inf refused); with ``store`` its outputs
-    replace the chunks as the next layer's inputs. Chunks whose attention residual ``cache``
-    holds skip the attention."""
+    replace the chunks as the next layer's inputs. Chunks whose attention residual
+    ``residuals`` holds skip the attention."""
     with torch.no_grad():
         for ci in range(len(chunks)):
             with PHASES(phase):
                 out = (
-                    cache.forward(layer, hidden, ci, rotary) if cache else _forward(layer, hidden[ci], rotary)
+                    residuals.forward(layer, hidden, ci, rotary)
+                    if residuals
+                    else _forward(layer, hidden[ci], rotary)
                 )
             if not _all_finite(out):
                 raise InvalidValueError(
@@ -1707,12 +1716,12 @@ def _final_pass(
     rotary,
     li: int,
     mode: str,
-    cache: _AttnCache | None = None,
+    residuals: _AttnResiduals | None = None,
 ) -> None:
     """Runs the layer over every chunk; its outputs become the next layer's inputs."""
     if routed is not None:
         routed.mode = mode
-    _forward_chunks(layer, hidden, chunks, rotary, li, "forward", True, cache)
+    _forward_chunks(layer, hidden, chunks, rotary, li, "forward", True, residuals)
     if routed is not None:
         routed.stats = None
 
@@ -1732,7 +1741,7 @@ def _stats_pass(
     rotary,
     li: int,
     store: bool,
-    cache: _AttnCache | None = None,
+    residuals: _AttnResiduals | None = None,
 ) -> None:
     """One forward of the (unpruned) layer over every chunk, recording the router statistics:
     routed-token counts and probability mass from the router's own output, REAP sums from the
@@ -1749,7 +1758,7 @@ def _stats_pass(
 
     handle = gate.register_forward_hook(hook)
     try:
-        _forward_chunks(layer, hidden, chunks, rotary, li, "forward (router statistics)", store, cache)
+        _forward_chunks(layer, hidden, chunks, rotary, li, "forward (router statistics)", store, residuals)
     finally:
         handle.remove()
         routed.stats = None
