@@ -465,7 +465,8 @@ def bench_hessian(rows):
     """Hessians ``XᵀX`` in fp32 from bf16 inputs: forge's tensor-core kernel
     (``forge.hessian_update``, upper tiles only) against one cuBLAS ``mm(out_dtype=float32)``
     for o_proj's input (D=16384); per-expert Hessians of a layer's routed tokens in ONE
-    ``forge.hessian_update_segmented`` launch (rows read by index, no gathered copy) against a
+    ``forge.hessian_update_segmented`` launch (rows read by index, no gathered copy), adding
+    into existing Hessians and (``overwrite``) writing fresh ones as the peer does, against a
     torch loop over experts of gather + ``mm(out_dtype=float32)`` (and the run's own per-expert
     :func:`forge.calibrate.gram` loop); ``gram`` alone against one cuBLAS product at the row
     counts an expert's chunk has. Errors: max |H − H64| / max |H64| against float64 (the
@@ -576,6 +577,14 @@ def bench_hessian(rows):
             reps=3,
             warmup=1,
         )
+        # Fresh products (``overwrite``): what the peer computes, H written and never read.
+        t_fresh = cuda_time(
+            lambda h=h, x=x, tok32=tok32, offsets=offsets: forge.hessian_update_segmented(
+                h, x, tok32, offsets, 1.0, check_finite=False, overwrite=True
+            ),
+            reps=3,
+            warmup=1,
+        )
         e0 = int(counts.argmax())
         xe = x[tok[int(counts[:e0].sum()) : int(counts[: e0 + 1].sum())]]
         ref = xe.double().T @ xe.double()
@@ -589,6 +598,8 @@ def bench_hessian(rows):
             t_ours,
             gram_loop_us=t_gram * 1e6,
             with_finite_check_us=t_checked * 1e6,
+            overwrite_us=t_fresh * 1e6,
+            overwrite_ratio=t_peer / t_fresh,
             tflops=2 * t * top_k * d * d / t_ours / 1e12,
             rel_err_vs_f64=err,
             peer_rel_err_vs_f64=err_peer,
@@ -611,6 +622,8 @@ def print_row(r):
         extra += f"  {r['per_matrix_ms']:.2f} ms/matrix"
     if "tflops" in r:
         extra += f" {r['tflops']:.1f} TFLOP/s"
+    if "overwrite_us" in r:
+        extra += f"  | fresh (overwrite) {r['overwrite_us']:.0f}us x{r['overwrite_ratio']:.2f}"
     if "hessian_update_us" in r:
         extra += f"  (forge.hessian_update {r['hessian_update_us']:.1f}us)"
     if "block_kernel_ms" in r:

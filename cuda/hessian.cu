@@ -1,6 +1,8 @@
 // hessian.cu — H += alpha · XᵀX in fp32 (X: [T, D], f32 / f16 / bf16), and the segmented form
 // for routed experts: for expert e, the rows idx[off[e] .. off[e+1]) of X go into
-// H_e = H + e·D·D (one launch for every expert: blockIdx.y is the expert).
+// H_e = H + e·D·D (one launch for every expert: blockIdx.y is the expert). With `overwrite`
+// every kernel writes H = alpha · XᵀX instead (each element of H once, an expert without rows
+// zeroed): no read of H, as a fresh product.
 //
 // Three kernels, all computing only the tiles that hold elements on or above the diagonal and
 // mirroring those elements (H stays exactly symmetric):
@@ -81,11 +83,12 @@ __device__ __forceinline__ bool ht_block(float* H, const int* off, int T, int D,
 
 template <int DT>
 __device__ __forceinline__ void hessian_impl(const void* x, float* H, const int* idx, const int* off, int T, int D,
-                                             float alpha) {
+                                             float alpha, int overwrite) {
     __shared__ float Xi[HS_K][HS_T + 4];
     __shared__ float Xj[HS_K][HS_T + 4];
     HtBlock b;
-    if (!ht_block<HS_T>(H, off, T, D, b)) return;
+    // Overwriting, an expert without rows still writes its (zero) tile.
+    if (!ht_block<HS_T>(H, off, T, D, b) && !overwrite) return;
     const int r0 = b.r0, r1 = b.r1, i0 = b.i0, j0 = b.j0;
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
     float acc[4][4];
@@ -125,8 +128,10 @@ __device__ __forceinline__ void hessian_impl(const void* x, float* H, const int*
             int i = i0 + ty * 4 + p, j = j0 + tx * 4 + q;
             if (i < D && j < D) {
                 float v = alpha * acc[p][q];
-                b.He[(i64)i * D + j] += v;
-                if (!b.diag) b.He[(i64)j * D + i] += v;
+                float* hij = b.He + (i64)i * D + j;
+                float* hji = b.He + (i64)j * D + i;
+                *hij = overwrite ? v : *hij + v;
+                if (!b.diag) *hji = overwrite ? v : *hji + v;
             }
         }
     }
@@ -134,8 +139,9 @@ __device__ __forceinline__ void hessian_impl(const void* x, float* H, const int*
 
 #define FORGE_HESS_ENTRY(SUF, DT)                                                                          \
     extern "C" __global__ void __launch_bounds__(256) hessian_accum_##SUF(const void* x, float* H, const int* idx, \
-                                                                        const int* off, int T, int D, float alpha) { \
-        hessian_impl<DT>(x, H, idx, off, T, D, alpha);                                                     \
+                                                                        const int* off, int T, int D, float alpha, \
+                                                                        int overwrite) {                        \
+        hessian_impl<DT>(x, H, idx, off, T, D, alpha, overwrite);                                          \
     }
 FORGE_HESS_ENTRY(f32, FORGE_DT_F32)
 FORGE_HESS_ENTRY(f16, FORGE_DT_F16)
@@ -158,7 +164,8 @@ __device__ __forceinline__ int ht_at(int k, int c) { return k * HT_T + ((((c >> 
 // its mirror at (j0, i0), a row at a time: warp w takes tile rows w, w + 8, ..., lane l
 // columns l, l + 32, l + 64, l + 96. A diagonal tile takes each value from its upper
 // triangle, so H stays exactly symmetric.
-__device__ __forceinline__ void ht_epilogue(const float* S, float* He, int D, int i0, int j0, bool diag, float alpha) {
+__device__ __forceinline__ void ht_epilogue(const float* S, float* He, int D, int i0, int j0, bool diag, float alpha,
+                                            bool overwrite) {
     const int lane = threadIdx.x & 31;
     for (int a = threadIdx.x >> 5; a < HT_T; a += blockDim.x >> 5) {
 #pragma unroll
@@ -166,12 +173,17 @@ __device__ __forceinline__ void ht_epilogue(const float* S, float* He, int D, in
             const int c = cq + lane;
             const int i = i0 + a, j = j0 + c;
             if (i < D && j < D) {
-                const float v = diag && a > c ? S[c * HT_SROW + a] : S[a * HT_SROW + c];
-                He[(i64)i * D + j] += alpha * v;
+                const float v = alpha * (diag && a > c ? S[c * HT_SROW + a] : S[a * HT_SROW + c]);
+                float* h = He + (i64)i * D + j;
+                *h = overwrite ? v : *h + v;
             }
             // The mirror: row j0 + a of H, columns i0 + c, from column a of S.
             const int mi_ = j0 + a, mj = i0 + c;
-            if (!diag && mi_ < D && mj < D) He[(i64)mi_ * D + mj] += alpha * S[c * HT_SROW + a];
+            if (!diag && mi_ < D && mj < D) {
+                const float v = alpha * S[c * HT_SROW + a];
+                float* h = He + (i64)mi_ * D + mj;
+                *h = overwrite ? v : *h + v;
+            }
         }
     }
 }
@@ -203,10 +215,10 @@ __device__ __forceinline__ void ht_load(const u16* x, const int* idx, int D, con
 
 template <bool BF>
 __device__ __forceinline__ void hessian_tc_impl(const u16* x, float* H, const int* idx, const int* off, int T, int D,
-                                                float alpha) {
+                                                float alpha, int overwrite) {
     extern __shared__ __align__(16) u16 hs_smem[];
     HtBlock b;
-    if (!ht_block<HT_T>(H, off, T, D, b)) return;
+    if (!ht_block<HT_T>(H, off, T, D, b) && !overwrite) return;
     const bool diag = b.diag;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
@@ -276,13 +288,14 @@ __device__ __forceinline__ void hessian_tc_impl(const u16* x, float* H, const in
             for (int c = 0; c < 4; c++)
                 S[(wm + mi * 16 + g + ((c >> 1) << 3)) * HT_SROW + wn + ni * 8 + 2 * t4 + (c & 1)] = acc[mi][ni][c];
     __syncthreads();
-    ht_epilogue(S, b.He, D, b.i0, b.j0, diag, alpha);
+    ht_epilogue(S, b.He, D, b.i0, b.j0, diag, alpha, overwrite != 0);
 }
 
 #define FORGE_HESS_TC_ENTRY(SUF, BF)                                                                       \
     extern "C" __global__ void __launch_bounds__(HT_THREADS, 2) hessian_tc_##SUF(const u16* x, float* H, const int* idx, \
-                                                                          const int* off, int T, int D, float alpha) { \
-        hessian_tc_impl<BF>(x, H, idx, off, T, D, alpha);                                                  \
+                                                                          const int* off, int T, int D, float alpha, \
+                                                                          int overwrite) {                        \
+        hessian_tc_impl<BF>(x, H, idx, off, T, D, alpha, overwrite);                                       \
     }
 FORGE_HESS_TC_ENTRY(f16, false)
 FORGE_HESS_TC_ENTRY(bf16, true)
@@ -360,7 +373,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&lo)[64], float (&hi)[64
 
 template <bool BF>
 __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const int* idx, const int* off, int T, int D,
-                                                float alpha) {
+                                                float alpha, int overwrite) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(16) u16 hs_smem[];
     // The swizzle pattern repeats every 1024 bytes from a 1024-byte boundary.
@@ -370,7 +383,8 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
     const int i0 = bi * HW_TI, j0 = bj * HW_TJ;
     int r0, r1;
     float* He;
-    if (!ht_segment(H, off, T, D, r0, r1, He)) return;
+    // Overwriting, an expert without rows still writes its (zero) tile.
+    if (!ht_segment(H, off, T, D, r0, r1, He) && !overwrite) return;
     // The i-block inside the j-block: A is B's halves (i0 - j0) / 64 and the next.
     const bool a_in_b = i0 >= j0 && i0 < j0 + HW_TJ;
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
@@ -440,8 +454,10 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
         };
         // Two index sets in turn (no register moves, which would wait on their loads).
         int ra[HW_K / 16], rb[HW_K / 16];
-        rows_at(0, ra);
-        rows_at(1, rb);
+        if (steps > 0) {  // (an empty segment has no index to read)
+            rows_at(0, ra);
+            rows_at(1, rb);
+        }
         for (int step = 0; step < steps; step += 2) {
             issue(step, ra);
             rows_at(step + 2, ra);
@@ -478,6 +494,39 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
         wg_fence_acc(d1);
     }
     __syncthreads();
+
+    if (overwrite) {
+        // H = alpha · tile straight from the accumulators: element (i, j) of the tile where
+        // i <= j, and its mirror (j, i) where i < j; every element of H is on or above the
+        // diagonal in exactly one tile, so each is written once (no read, no atomics). A warp's
+        // store covers whole 32-byte sectors: 8 rows × 4 pairs of columns for the tile, 4 rows
+        // × 8 consecutive columns for the mirror.
+        if (wg < 2) {
+            const int w = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+            for (int hi = 0; hi < 2; hi++)
+#pragma unroll
+                for (int j = 0; j < 16; j++)
+#pragma unroll
+                    for (int half = 0; half < 2; half++) {
+                        const int gi = i0 + wg * 64 + w * 16 + g + 8 * half;
+                        const int gj = j0 + hi * 128 + j * 8 + 2 * t4;
+                        const float v0 = alpha * (hi ? d1 : d0)[4 * j + 2 * half];
+                        const float v1 = alpha * (hi ? d1 : d0)[4 * j + 2 * half + 1];
+                        if (gi >= D) continue;
+                        float* row = He + (i64)gi * D;
+                        if (gi <= gj && gj + 1 < D) {
+                            *reinterpret_cast<float2*>(row + gj) = make_float2(v0, v1);  // D even, gj even
+                        } else {
+                            if (gj < D && gi <= gj) row[gj] = v0;
+                            if (gj + 1 < D && gi <= gj + 1) row[gj + 1] = v1;
+                        }
+                        if (gj < D && gi < gj) He[(i64)gj * D + gi] = v0;
+                        if (gj + 1 < D && gi < gj + 1) He[(i64)(gj + 1) * D + gi] = v1;
+                    }
+        }
+        return;
+    }
 
     // The epilogue adds the tile to H in L2 (bulk reductions from shared memory: the SM does
     // not wait on H's 512 KB of read-modify-write, which bounded tiles of a few thousand rows):
@@ -541,8 +590,9 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
 
 #define FORGE_HESS_WG_ENTRY(SUF, BF)                                                                          \
     extern "C" __global__ void __launch_bounds__(HW_THREADS_WG, 1) hessian_wg_##SUF(const u16* x, float* H, const int* idx, \
-                                                                          const int* off, int T, int D, float alpha) { \
-        hessian_wg_impl<BF>(x, H, idx, off, T, D, alpha);                                                     \
+                                                                          const int* off, int T, int D, float alpha, \
+                                                                          int overwrite) {                        \
+        hessian_wg_impl<BF>(x, H, idx, off, T, D, alpha, overwrite);                                          \
     }
 FORGE_HESS_WG_ENTRY(f16, false)
 FORGE_HESS_WG_ENTRY(bf16, true)

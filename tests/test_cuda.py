@@ -560,6 +560,36 @@ def test_hessian_update_and_segments(dtype):
         forge.hessian_update_segmented(hs, x.cuda(), bad.cuda(), offsets.cuda(), 1.0, check_finite=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hessian_update_segmented_overwrite_matches_adding_into_zeros(dtype):
+    """``overwrite=True`` on the GPU (bf16: the Hopper kernel writing straight from its
+    accumulators, several tile groups, partial and diagonal tiles; float32: the SIMT kernel):
+    over an H full of NaN, bit for bit what adding into zeros gives, zeros for an expert
+    without rows, within fp32 rounding of float64, exactly symmetric."""
+    g = torch.Generator().manual_seed(13)
+    t, d = 777, 1032
+    x = torch.randn(t, d, generator=g).to(dtype)
+    counts = [200, 0, 63, 65, 1, 448]
+    idx = torch.randperm(t, generator=g)[: sum(counts)].to(torch.int32)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    xc, ic, oc = x.cuda(), idx.cuda(), offsets.cuda()
+    fresh = torch.full((len(counts), d, d), float("nan"), device="cuda")
+    forge.hessian_update_segmented(fresh, xc, ic, oc, 0.5, overwrite=True)
+    added = torch.zeros(len(counts), d, d, device="cuda")
+    forge.hessian_update_segmented(added, xc, ic, oc, 0.5)
+    assert torch.equal(fresh.view(torch.int32), added.view(torch.int32))
+    assert not fresh[1].any()
+    xd = x.double()
+    for i in range(len(counts)):
+        xe = xd[idx[offsets[i] : offsets[i + 1]].long()]
+        ref = 0.5 * xe.T @ xe
+        got = fresh[i].cpu().double()
+        assert torch.equal(fresh[i], fresh[i].T)
+        if counts[i]:
+            err = float((got - ref).abs().max() / ref.abs().max())
+            assert err < max(counts[i], 128) * 2.0**-24, (i, err)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_hessian_update_tensor_cores_large(dtype):
     """The tensor-core path (on Hopper the warp-specialized 128 × 256 tile kernel: several tile

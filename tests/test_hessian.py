@@ -47,6 +47,30 @@ def test_hessian_update_segmented_per_expert():
     assert not h[1].any()
 
 
+def test_hessian_update_segmented_overwrite_writes_fresh_products():
+    """``overwrite=True``: each expert's Hessian is ``alpha * X_e.T @ X_e`` whatever H held
+    (NaN here, so nothing of it is kept), zeros for an expert without rows, and bit for bit
+    what adding into zeros gives; without any routed row, all zeros."""
+    g = torch.Generator().manual_seed(8)
+    t, d = 50, 16
+    x = torch.randn(t, d, generator=g, dtype=torch.bfloat16)
+    idx = torch.randperm(t, generator=g)[:40].to(torch.int32)
+    offsets = torch.tensor([0, 12, 12, 31, 40], dtype=torch.int32)
+    h = torch.full((4, d, d), float("nan"))
+    forge.hessian_update_segmented(h, x, idx, offsets, 0.5, overwrite=True)
+    for e in range(4):
+        rows = idx[offsets[e] : offsets[e + 1]].long()
+        torch.testing.assert_close(h[e].double(), 0.5 * xtx(x[rows]), rtol=1e-5, atol=1e-4)
+    assert not h[1].any()
+    added = forge.hessian_update_segmented(torch.zeros(4, d, d), x, idx, offsets, 0.5)
+    assert torch.equal(h, added)
+    h = torch.full((3, d, d), float("nan"))
+    forge.hessian_update_segmented(
+        h, x, torch.zeros(0, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), overwrite=True
+    )
+    assert torch.equal(h, torch.zeros(3, d, d))
+
+
 def test_hessian_update_segmented_without_routed_rows_is_a_no_op():
     h = torch.ones(3, 8, 8)
     x = torch.randn(5, 8)

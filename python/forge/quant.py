@@ -471,6 +471,7 @@ def hessian_update_segmented(
     offsets: torch.Tensor,
     alpha: float = 1.0,
     check_finite: bool = True,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """Per-expert Hessians in one call: ``hessian[e] += alpha * X_e.T @ X_e`` with
     ``X_e = x[idx[offsets[e]:offsets[e+1]]]`` (the tokens routed to expert ``e``).
@@ -479,8 +480,11 @@ def hessian_update_segmented(
     The offsets and the indices' range are always checked; ``check_finite=False`` skips the
     NaN/Inf pass over a CUDA ``x`` (a read of all of ``x`` and a host sync), as for
     :func:`hessian_update` (NaN or Inf in a routed row shows on its expert's diagonal).
+    ``overwrite=True`` writes fresh products, ``hessian[e] = alpha * X_e.T @ X_e`` (zeros for
+    an expert without rows), without reading ``hessian``: bit for bit what adding into a
+    zeroed ``hessian`` gives, without the zeroing pass or the read of H.
     """
-    _native.hessian_update_segmented(hessian, x, idx, offsets, float(alpha), check_finite)
+    _native.hessian_update_segmented(hessian, x, idx, offsets, float(alpha), check_finite, overwrite)
     return hessian
 
 

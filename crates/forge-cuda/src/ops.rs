@@ -1860,6 +1860,9 @@ pub struct HessianUpdate {
     pub h: u64,
     /// Scale of the added product.
     pub alpha: f32,
+    /// `H = alpha · XᵀX` instead of `+=`: every element of `H` written once (an expert
+    /// without rows zeroed) and never read, as a fresh product.
+    pub overwrite: bool,
     /// The kernel (tests and benches pick one; the run uses `Auto`).
     pub kernel: HessianKernel,
 }
@@ -1886,8 +1889,8 @@ pub fn hessian_kernel(dtype: DType, d: usize, x: u64, h: u64, s: Stream) -> Resu
     Ok(hessian_auto_kernel(dtype, d, x, h, dev_of(s)?.cc))
 }
 
-/// `H += alpha · XᵀX` (see [`HessianUpdate`]). A kernel the inputs or the device do not
-/// allow is an argument error.
+/// `H += alpha · XᵀX`, or `H = alpha · XᵀX` with `overwrite` (see [`HessianUpdate`]). A
+/// kernel the inputs or the device do not allow is an argument error.
 ///
 /// # Safety
 /// See the module documentation; every routed index must be a row of `x`.
@@ -1940,7 +1943,8 @@ pub unsafe fn hessian_update(a: &HessianUpdate, s: Stream) -> Result<()> {
     let f = dev.function(kname(name, a.dtype)?)?;
     let (mut px, mut ph, mut pi, mut po) = (a.x, a.h, idx, offsets);
     let (mut tt, mut dd, mut al) = (to_i32("t", t)?, to_i32("d", a.d)?, a.alpha);
-    let mut p = args!(px, ph, pi, po, tt, dd, al);
+    let mut ow = i32::from(a.overwrite);
+    let mut p = args!(px, ph, pi, po, tt, dd, al, ow);
     let grid = (
         to_i32("tiles", tiles)? as u32,
         to_i32("experts", experts)? as u32,

@@ -276,6 +276,7 @@ fn bench_all() {
                 rows: ops::HessianRows::All { t },
                 h: h.ptr(),
                 alpha: 1.0,
+                overwrite: false,
                 kernel: ops::HessianKernel::Auto,
             },
             S,

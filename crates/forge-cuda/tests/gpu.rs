@@ -859,6 +859,21 @@ fn hessian_run(
     alpha: f32,
     kernel: ops::HessianKernel,
 ) -> Vec<f32> {
+    hessian_run_mode(x, dt, d, rows, h, alpha, kernel, false)
+}
+
+/// [`hessian_run`], adding (`overwrite` false) or writing a fresh product.
+#[allow(clippy::too_many_arguments)]
+fn hessian_run_mode(
+    x: &DeviceBuf,
+    dt: DType,
+    d: usize,
+    rows: ops::HessianRows,
+    h: &DeviceBuf,
+    alpha: f32,
+    kernel: ops::HessianKernel,
+    overwrite: bool,
+) -> Vec<f32> {
     let a = ops::HessianUpdate {
         x: x.ptr(),
         dtype: dt,
@@ -866,6 +881,7 @@ fn hessian_run(
         rows,
         h: h.ptr(),
         alpha,
+        overwrite,
         kernel,
     };
     unsafe { ops::hessian_update(&a, S) }.unwrap();
@@ -966,6 +982,74 @@ fn hessian_matches_f64() {
     eprintln!("hessian (plain f32/f16/bf16 and segmented): within fp32 tolerance");
 }
 
+/// `overwrite`: every kernel writes `H = alpha · XᵀX` over an H full of NaN (so no element
+/// is read and added), bit for bit what adding to a zeroed H gives, and zeros for an expert
+/// without rows; plain rows too, at the sizes with partial and diagonal Hopper tiles.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn hessian_overwrite_is_a_fresh_product() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    let mut r = Lcg(43);
+    let (t, experts) = (700usize, 4usize);
+    let lists: Vec<Vec<i32>> = vec![
+        (0..t as i32).filter(|i| i % 3 == 0).collect(),
+        vec![],
+        (0..t as i32).rev().filter(|i| i % 5 == 1).collect(),
+        vec![7],
+    ];
+    let mut idx = Vec::new();
+    let mut off = vec![0i32];
+    for l in &lists {
+        idx.extend_from_slice(l);
+        off.push(idx.len() as i32);
+    }
+    let di = DeviceBuf::from_slice(0, &idx).unwrap();
+    let doff = DeviceBuf::from_slice(0, &off).unwrap();
+    for dt in [DType::F32, DType::Bf16] {
+        for d in [264usize, 520, 1032] {
+            let xf: Vec<f32> = (0..t * d).map(|_| r.n()).collect();
+            let (bytes, _) = float_rows(dt, &xf);
+            let dx = DeviceBuf::from_slice(0, &bytes).unwrap();
+            for kernel in hessian_kernels(dt, d) {
+                for (rows, n) in [
+                    (ops::HessianRows::All { t }, 1usize),
+                    (
+                        ops::HessianRows::Routed {
+                            idx: di.ptr(),
+                            offsets: doff.ptr(),
+                            experts,
+                        },
+                        experts,
+                    ),
+                ] {
+                    let added = hessian_run(
+                        &dx,
+                        dt,
+                        d,
+                        rows,
+                        &DeviceBuf::zeroed(0, n * d * d * 4).unwrap(),
+                        0.25,
+                        kernel,
+                    );
+                    let nan = DeviceBuf::from_slice(0, &vec![f32::NAN; n * d * d]).unwrap();
+                    let fresh = hessian_run_mode(&dx, dt, d, rows, &nan, 0.25, kernel, true);
+                    for (k, (a, b)) in added.iter().zip(&fresh).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{dt:?} D={d} {kernel:?} {rows:?} element {k}: {b} vs {a}"
+                        );
+                    }
+                    if n == experts {
+                        assert!(fresh[d * d..2 * d * d].iter().all(|v| v.to_bits() == 0));
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("hessian overwrite: bit-identical to adding into zeros, empty experts zeroed");
+}
+
 /// The Hopper kernel updates H as float4s: with an H that is only 4-byte aligned, an explicit
 /// `Wgmma` is refused naming `h`, and `Auto` takes another kernel, with the same sums (to
 /// fp32 rounding) as on an aligned H.
@@ -990,6 +1074,7 @@ fn hessian_wgmma_needs_aligned_h() {
         rows: ops::HessianRows::All { t },
         h: dh.ptr() + 4,
         alpha: 1.0,
+        overwrite: false,
         kernel: ops::HessianKernel::Wgmma,
     };
     let err = unsafe { ops::hessian_update(&a, S) }

@@ -269,6 +269,7 @@ pub fn hessian_update(h: &Tensor<'_>, x: &Tensor<'_>, alpha: f32) -> PyResult<()
         rows: cu::HessianRows::All { t },
         h: h.ptr as u64,
         alpha,
+        overwrite: false,
         kernel: cu::HessianKernel::Auto,
     };
     // SAFETY: live CUDA tensors of checked shapes.
@@ -287,7 +288,7 @@ pub fn hessian_kernel(h: &Tensor<'_>, x: &Tensor<'_>) -> PyResult<&'static str> 
     })
 }
 
-/// Segmented per-expert Hessians on CUDA.
+/// Segmented per-expert Hessians on CUDA, added (or written fresh with `overwrite`).
 pub fn hessian_update_segmented(
     h: &Tensor<'_>,
     x: &Tensor<'_>,
@@ -295,6 +296,7 @@ pub fn hessian_update_segmented(
     offsets: &Tensor<'_>,
     experts: usize,
     alpha: f32,
+    overwrite: bool,
 ) -> PyResult<()> {
     let py = h.obj.py();
     for t in [x, idx, offsets] {
@@ -313,6 +315,7 @@ pub fn hessian_update_segmented(
         },
         h: h.ptr as u64,
         alpha,
+        overwrite,
         kernel: cu::HessianKernel::Auto,
     };
     // SAFETY: live CUDA tensors of checked shapes; indices validated by the caller.

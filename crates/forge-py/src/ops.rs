@@ -981,9 +981,11 @@ pub fn hessian_kernel<'py>(
 /// `x[idx[offsets[e]:offsets[e+1]]]` update `hessian[e] += alpha · X_eᵀ X_e`.
 /// `hessian (E, D, D)` f32, `x (T, D)`, `idx` int32 token indices, `offsets (E + 1,)` int32.
 /// Offsets and the indices' range are always checked (two host syncs); `check_finite=false`
-/// skips the NaN/Inf pass over a CUDA `x`, as for `hessian_update`.
+/// skips the NaN/Inf pass over a CUDA `x`, as for `hessian_update`. `overwrite=true` writes
+/// `hessian[e] = alpha · X_eᵀ X_e` instead (an expert without rows zeroed; H not read).
 #[pyfunction]
-#[pyo3(signature = (hessian, x, idx, offsets, alpha, check_finite=true))]
+#[pyo3(signature = (hessian, x, idx, offsets, alpha, check_finite=true, overwrite=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn hessian_update_segmented<'py>(
     py: Python<'py>,
     hessian: &Bound<'py, PyAny>,
@@ -992,6 +994,7 @@ pub fn hessian_update_segmented<'py>(
     offsets: &Bound<'py, PyAny>,
     alpha: f32,
     check_finite: bool,
+    overwrite: bool,
 ) -> PyResult<()> {
     let h = Tensor::extract("hessian", hessian)?;
     let xt = Tensor::extract("x", x)?;
@@ -1030,7 +1033,11 @@ pub fn hessian_update_segmented<'py>(
         ));
     }
     if s_len == 0 {
-        // No routed rows: nothing to add (an empty idx has no device pointer to launch with).
+        // No routed rows: nothing to add (an empty idx has no device pointer to launch with),
+        // or only zeros to write.
+        if overwrite {
+            hessian.call_method0("zero_")?;
+        }
         return Ok(());
     }
     // One pass and one sync for both ends.
@@ -1052,7 +1059,7 @@ pub fn hessian_update_segmented<'py>(
         if check_finite {
             xt.require_finite_cuda()?;
         }
-        return cuda_ops::hessian_update_segmented(&h, &xt, &it, &ot, e, alpha);
+        return cuda_ops::hessian_update_segmented(&h, &xt, &it, &ot, e, alpha, overwrite);
     }
     h.require_cpu()?;
     let xv: Vec<f32> = with_elements!(xt, |x| x
@@ -1066,6 +1073,12 @@ pub fn hessian_update_segmented<'py>(
     detach_guarded(py, "hessian_update_segmented", || {
         for ei in 0..e {
             let rows = &iv[offs[ei] as usize..offs[ei + 1] as usize];
+            // SAFETY: slab ei of a contiguous CPU f32 (E, D, D) tensor.
+            let hv =
+                unsafe { std::slice::from_raw_parts_mut((hp as *mut f32).add(ei * d * d), d * d) };
+            if overwrite {
+                hv.fill(0.0);
+            }
             if rows.is_empty() {
                 continue;
             }
@@ -1073,9 +1086,6 @@ pub fn hessian_update_segmented<'py>(
             for &r in rows {
                 xe.extend_from_slice(&xv[r as usize * d..(r as usize + 1) * d]);
             }
-            // SAFETY: slab ei of a contiguous CPU f32 (E, D, D) tensor.
-            let hv =
-                unsafe { std::slice::from_raw_parts_mut((hp as *mut f32).add(ei * d * d), d * d) };
             forge_core::matmul::syrk_update(hv, &xe, rows.len(), d, alpha)?;
         }
         Ok(())
