@@ -51,6 +51,19 @@ def _run(monkeypatch, src, out, ids_file, **kw):
     return rep, tap
 
 
+def _count_full_forwards(monkeypatch) -> dict:
+    """Counts the run's whole-layer forwards (``calibrate._forward``) in ``["full"]``."""
+    calls = {"full": 0}
+    full = calibrate._forward
+
+    def counting(*a, **k):
+        calls["full"] += 1
+        return full(*a, **k)
+
+    monkeypatch.setattr(calibrate, "_forward", counting)
+    return calls
+
+
 def _ref_model(src):
     from transformers import AutoModelForCausalLM
 
@@ -262,14 +275,7 @@ def test_activation_placements_give_the_same_checkpoint(monkeypatch, src, ids_fi
     chunks in files too (as many full-layer forwards). (On a CPU machine ``auto`` is ``cpu``;
     the GPU placements are compared in the cuda tests.)"""
     where = "disk"
-    calls = {"full": 0}
-    full = calibrate._forward
-
-    def counting(*a, **k):
-        calls["full"] += 1
-        return full(*a, **k)
-
-    monkeypatch.setattr(calibrate, "_forward", counting)
+    calls = _count_full_forwards(monkeypatch)
     forge.quantize_model(src, tmp_path / "auto", **_opts(ids_file))
     in_memory, calls["full"] = calls["full"], 0
     rep = forge.quantize_model(src, tmp_path / where, **_opts(ids_file, activations=where))
@@ -322,14 +328,7 @@ def test_attention_cache_changes_nothing_but_the_passes(kind, monkeypatch, src, 
     """Later stages and the final pass run ``h + mlp(norm(h))`` from the cached attention
     residual: fewer full-layer forwards, byte-identical checkpoint and next-layer inputs."""
     model = src if kind == "deepseek" else make_model(kind, tmp_path / kind)
-    calls = {"full": 0}
-    full = calibrate._forward
-
-    def counting(*a, **k):
-        calls["full"] += 1
-        return full(*a, **k)
-
-    monkeypatch.setattr(calibrate, "_forward", counting)
+    calls = _count_full_forwards(monkeypatch)
     results = {}
     for label, layers in (("cached", calibrate._MLP_TAIL_LAYERS), ("rerun", frozenset())):
         monkeypatch.setattr(calibrate, "_MLP_TAIL_LAYERS", layers)
@@ -475,14 +474,7 @@ def test_routed_inputs_in_host_memory_give_the_same_checkpoint(monkeypatch, src,
     page-locked buffers (the attention residuals written over them as on the GPU, so no more
     full-layer forwards): the same checkpoint, byte for byte."""
     _small_blocks(monkeypatch, True)
-    calls = {"full": 0}
-    full = calibrate._forward
-
-    def counting(*a, **k):
-        calls["full"] += 1
-        return full(*a, **k)
-
-    monkeypatch.setattr(calibrate, "_forward", counting)
+    calls = _count_full_forwards(monkeypatch)
     forge.quantize_model(src, tmp_path / "dev", **_opts(ids_file, device="cuda"))
     on_device, calls["full"] = calls["full"], 0
     made = []

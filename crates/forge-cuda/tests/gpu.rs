@@ -849,22 +849,10 @@ fn xtx_f64(
     (s, mag)
 }
 
-/// One Hessian update of `rows` of `x` into `h` with `kernel`; returns the downloaded H.
-fn hessian_run(
-    x: &DeviceBuf,
-    dt: DType,
-    d: usize,
-    rows: ops::HessianRows,
-    h: &DeviceBuf,
-    alpha: f32,
-    kernel: ops::HessianKernel,
-) -> Vec<f32> {
-    hessian_run_mode(x, dt, d, rows, h, alpha, kernel, false)
-}
-
-/// [`hessian_run`], adding (`overwrite` false) or writing a fresh product.
+/// One Hessian update of `rows` of `x` into `h` with `kernel`, adding (`overwrite` false)
+/// or writing a fresh product; returns the downloaded H.
 #[allow(clippy::too_many_arguments)]
-fn hessian_run_mode(
+fn hessian_run(
     x: &DeviceBuf,
     dt: DType,
     d: usize,
@@ -911,7 +899,16 @@ fn hessian_matches_f64() {
             let h0: Vec<f32> = (0..d * d).map(|i| ((i / d + i % d) % 7) as f32).collect();
             for kernel in hessian_kernels(dt, d) {
                 let dh = DeviceBuf::from_slice(0, &h0).unwrap();
-                let h = hessian_run(&dx, dt, d, ops::HessianRows::All { t }, &dh, 0.5, kernel);
+                let h = hessian_run(
+                    &dx,
+                    dt,
+                    d,
+                    ops::HessianRows::All { t },
+                    &dh,
+                    0.5,
+                    kernel,
+                    false,
+                );
                 for i in 0..d {
                     for j in 0..d {
                         let (s, mag) = xtx_f64(&xr, d, 0..t, i, j);
@@ -959,7 +956,7 @@ fn hessian_matches_f64() {
                 offsets: doff.ptr(),
                 experts: 3,
             };
-            let h = hessian_run(&dx, dt, d, rows, &dh, 1.0, kernel);
+            let h = hessian_run(&dx, dt, d, rows, &dh, 1.0, kernel, false);
             for (e, l) in lists.iter().enumerate() {
                 for i in 0..d {
                     for j in 0..d {
@@ -1030,9 +1027,10 @@ fn hessian_overwrite_is_a_fresh_product() {
                         &DeviceBuf::zeroed(0, n * d * d * 4).unwrap(),
                         0.25,
                         kernel,
+                        false,
                     );
                     let nan = DeviceBuf::from_slice(0, &vec![f32::NAN; n * d * d]).unwrap();
-                    let fresh = hessian_run_mode(&dx, dt, d, rows, &nan, 0.25, kernel, true);
+                    let fresh = hessian_run(&dx, dt, d, rows, &nan, 0.25, kernel, true);
                     for (k, (a, b)) in added.iter().zip(&fresh).enumerate() {
                         assert_eq!(
                             a.to_bits(),
@@ -1094,6 +1092,7 @@ fn hessian_wgmma_needs_aligned_h() {
         &aligned,
         1.0,
         ops::HessianKernel::Wgmma,
+        false,
     );
     assert_eq!(got[0], 0.0, "the float before H is untouched");
     // Against float64 (products of bf16 values are exact; fp32 sums of t terms).
