@@ -495,6 +495,21 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
     }
     __syncthreads();
 
+    // Accumulator elements 4j + 2h and 4j + 2h + 1 of a consumer thread (warp w of its
+    // warpgroup, lane l): tile row 64·wg + 16w + l/4 + 8h, columns q and q + 1 with
+    // q = 128·hi + 8j + 2(l % 4) (hi: d1 rather than d0); f(row, q, alpha times both).
+    auto each_pair = [&](auto f) {
+        const int w4 = (tid >> 5) & 3, gq = lane >> 2, t4 = lane & 3;
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++)
+#pragma unroll
+            for (int j = 0; j < 16; j++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    f(wg * 64 + w4 * 16 + gq + 8 * h, hi * 128 + j * 8 + 2 * t4, alpha * (hi ? d1 : d0)[4 * j + 2 * h],
+                      alpha * (hi ? d1 : d0)[4 * j + 2 * h + 1]);
+    };
+
     if (overwrite) {
         // H = alpha · tile straight from the accumulators: element (i, j) of the tile where
         // i <= j, and its mirror (j, i) where i < j; every element of H is on or above the
@@ -502,28 +517,19 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
         // store covers whole 32-byte sectors: 8 rows × 4 pairs of columns for the tile, 4 rows
         // × 8 consecutive columns for the mirror.
         if (wg < 2) {
-            const int w = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-            for (int hi = 0; hi < 2; hi++)
-#pragma unroll
-                for (int j = 0; j < 16; j++)
-#pragma unroll
-                    for (int half = 0; half < 2; half++) {
-                        const int gi = i0 + wg * 64 + w * 16 + g + 8 * half;
-                        const int gj = j0 + hi * 128 + j * 8 + 2 * t4;
-                        const float v0 = alpha * (hi ? d1 : d0)[4 * j + 2 * half];
-                        const float v1 = alpha * (hi ? d1 : d0)[4 * j + 2 * half + 1];
-                        if (gi >= D) continue;
-                        float* row = He + (i64)gi * D;
-                        if (gi <= gj && gj + 1 < D) {
-                            *reinterpret_cast<float2*>(row + gj) = make_float2(v0, v1);  // D even, gj even
-                        } else {
-                            if (gj < D && gi <= gj) row[gj] = v0;
-                            if (gj + 1 < D && gi <= gj + 1) row[gj + 1] = v1;
-                        }
-                        if (gj < D && gi < gj) He[(i64)gj * D + gi] = v0;
-                        if (gj + 1 < D && gi < gj + 1) He[(i64)(gj + 1) * D + gi] = v1;
-                    }
+            each_pair([&](int r, int q, float v0, float v1) {
+                const int gi = i0 + r, gj = j0 + q;
+                if (gi >= D) return;
+                float* row = He + (i64)gi * D;
+                if (gi <= gj && gj + 1 < D) {
+                    *reinterpret_cast<float2*>(row + gj) = make_float2(v0, v1);  // D even, gj even
+                } else {
+                    if (gj < D && gi <= gj) row[gj] = v0;
+                    if (gj + 1 < D && gi <= gj + 1) row[gj + 1] = v1;
+                }
+                if (gj < D && gi < gj) He[(i64)gj * D + gi] = v0;
+                if (gj + 1 < D && gi < gj + 1) He[(i64)(gj + 1) * D + gi] = v1;
+            });
         }
         return;
     }
@@ -534,24 +540,20 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
     // then its mirror, alpha · tileᵀ, row j of H from column i0 to j (up to a multiple of 4).
     // The elements of the ops' edge vectors on the other side of the diagonal are staged as
     // zeros (adding 0 changes nothing, and the adds are atomic where a neighbour tile owns
-    // them), so H stays exactly symmetric. Accumulator element 4j + c of thread (warp w of its
-    // warpgroup, lane l): tile row 64·wg + 16w + l/4 (+8 for c >= 2), column 8j + 2(l%4) +
-    // (c & 1) (+128 in d1): the transposed staging is conflict-free, the other 2-way.
+    // them), so H stays exactly symmetric. The transposed staging is conflict-free, the other
+    // 2-way.
     float* S = reinterpret_cast<float*>(base);
     auto stage = [&](bool mirror) {
         if (wg >= 2) return;
-        const int w = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-        for (int j = 0; j < 16; j++)
-#pragma unroll
-            for (int c = 0; c < 4; c++)
-#pragma unroll
-                for (int hi = 0; hi < 2; hi++) {
-                    const int r = wg * 64 + w * 16 + g + ((c >> 1) << 3), q = hi * 128 + j * 8 + 2 * t4 + (c & 1);
-                    const float v = alpha * (hi ? d1 : d0)[4 * j + c];
-                    if (mirror) S[q * HW_TROW + r] = i0 + r < j0 + q ? v : 0.0f;
-                    else S[r * HW_SROW + q] = i0 + r <= j0 + q ? v : 0.0f;
-                }
+        each_pair([&](int r, int q, float v0, float v1) {
+            if (mirror) {
+                S[q * HW_TROW + r] = i0 + r < j0 + q ? v0 : 0.0f;
+                S[(q + 1) * HW_TROW + r] = i0 + r < j0 + q + 1 ? v1 : 0.0f;
+            } else {
+                S[r * HW_SROW + q] = i0 + r <= j0 + q ? v0 : 0.0f;
+                S[r * HW_SROW + q + 1] = i0 + r <= j0 + q + 1 ? v1 : 0.0f;
+            }
+        });
     };
     auto reduce_rows = [&](bool mirror) {
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the staging → the bulk reads
