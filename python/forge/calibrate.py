@@ -1467,47 +1467,38 @@ class _AttnResiduals:
     leaves its chunk's input in place and that chunk is simply rerun."""
 
     def __init__(self, layer, hidden: _Store):
-        self.hidden = hidden
+        self.layer, self.hidden = layer, hidden
         self.on = type(layer).__name__ in _MLP_TAIL_LAYERS
         self.residual: set[int] = set()  # chunks whose slot holds the residual
-        self.handle = None
-        self.ci: int | None = None
-        if self.on:
-            self.norm, self.mlp = layer.post_attention_layernorm, layer.mlp
+        self.ci: int | None = None  # the chunk whose full forward is running
 
     def start(self) -> bool:
         """Starts recording (one stage's forwards, chunk by chunk, once the attention is
         final); False when there is nothing to do."""
         if not self.on or len(self.residual) == len(self.hidden):
             return False
-        self.handle = self.norm.register_forward_pre_hook(self._record)
+        self.handle = self.layer.post_attention_layernorm.register_forward_pre_hook(self._record)
         return True
 
     def _record(self, _m, args) -> None:
-        ci = self.ci
-        if ci is not None and ci not in self.residual:
-            self.hidden[ci] = args[0]
-            self.residual.add(ci)
+        if self.ci is not None:
+            self.hidden[self.ci] = args[0]
+            self.residual.add(self.ci)
 
     def stop(self) -> None:
         """Ends recording."""
         self.handle.remove()
-        self.handle = None
 
-    def forward(self, layer, hidden: _Store, ci: int, rotary) -> torch.Tensor:
+    def forward(self, ci: int, rotary) -> torch.Tensor:
         """The layer's output for chunk ``ci``: from its residual once recorded."""
         if ci in self.residual:
-            h = hidden[ci]
-            return h + self.mlp(self.norm(h))
+            h = self.hidden[ci]
+            return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
         self.ci = ci
         try:
-            return _forward(layer, hidden[ci], rotary)
+            return _forward(self.layer, self.hidden[ci], rotary)
         finally:
             self.ci = None
-
-    def drop(self) -> None:
-        """Forgets the residuals (the final pass has replaced them by the next layer's inputs)."""
-        self.residual.clear()
 
 
 def _input_hook(hs: dict, rel: str, seen: dict, aliases: dict, needed: int, stop: bool):
@@ -1628,7 +1619,7 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
                 seen_in.clear()
                 try:
                     with torch.no_grad(), PHASES("forward"):
-                        residuals.forward(layer, hidden, ci, rotary)
+                        residuals.forward(ci, rotary)
                 except _StopForward:
                     pass
         finally:
@@ -1671,7 +1662,6 @@ def _process_layer(ctx: _Ctx, meta_layers, rotary, u: dict, hidden: _Store, chun
             # REAP is recorded once: by the statistics pass or the experts' output pass.
             routed.stats = stats if routed_rows is None and not stats_done else None
     _final_pass(ctx, layer, routed, hidden, chunks, rotary, li, mode, residuals)
-    residuals.drop()
     if stats is not None:
         ctx.stats[li] = stats
     del layer, routed
@@ -1693,11 +1683,7 @@ def _forward_chunks(
     with torch.no_grad():
         for ci in range(len(chunks)):
             with PHASES(phase):
-                out = (
-                    residuals.forward(layer, hidden, ci, rotary)
-                    if residuals
-                    else _forward(layer, hidden[ci], rotary)
-                )
+                out = residuals.forward(ci, rotary) if residuals else _forward(layer, hidden[ci], rotary)
             if not _all_finite(out):
                 raise InvalidValueError(
                     f"layer {li}: the forward produced NaN or Inf (calibration chunk {ci})"
