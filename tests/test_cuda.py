@@ -392,7 +392,8 @@ def test_prepare_hessian_batched_repeatable_at_deepseek_width():
 def test_prepare_hessian_batched_first_calls_from_two_threads():
     """Two host threads making a fresh process's first preparations at the same moment (both
     making the lanes and torch's lazy linear-algebra state) get the factors one thread alone
-    gets afterwards, bit for bit, and the process made each lane once."""
+    gets afterwards, bit for bit, those of the float64 definition, and the process made each
+    lane once."""
     script = (
         "import threading, torch, forge\n"
         "from forge import quant\n"
@@ -415,6 +416,12 @@ def test_prepare_hessian_batched_first_calls_from_two_threads():
         "for i in range(2):\n"
         "    again = forge.prepare_hessian_batched(hs[i], 0.01)[0]\n"
         "    assert torch.equal(again, got[i]), (i, float((again - got[i]).abs().max()))\n"
+        "    for m in range(hs[i].shape[0]):\n"  # against float64: U = chol((H + damp I)^-1)
+        "        hd = hs[i][m].double().cpu()\n"
+        "        hd += 0.01 * float(hd.diagonal().mean()) * torch.eye(hd.shape[0], dtype=torch.float64)\n"
+        "        ref = torch.linalg.cholesky(torch.linalg.inv(hd), upper=True)\n"
+        "        err = torch.linalg.norm(got[i][m].cpu().double() - ref) / torch.linalg.norm(ref)\n"
+        "        assert err < 1e-3, (i, m, float(err))\n"
         "lanes = [l for ls in quant._LANES.values() for l in ls]\n"
         "assert len({id(s) for _, s in lanes}) == len(lanes) == 2, len(lanes)\n"
         "print('ok')\n"
