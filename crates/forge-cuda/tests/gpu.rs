@@ -396,6 +396,12 @@ fn activations(act: DType, xf: &[f32]) -> (Vec<u16>, Vec<f32>) {
 }
 
 fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
+    gemm_case_at(m, k, n, g, act, seed, 0);
+}
+
+/// [`gemm_case`] with the output `y_off` elements into its buffer (`y_off` odd: a y only
+/// 2-byte aligned, as a view at an odd offset is; the kernels' 8-byte stores must not take it).
+fn gemm_case_at(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64, y_off: usize) {
     let awq = awq_layer(n, k, g, seed);
     let mut r = Lcg(seed + 100);
     let xf: Vec<f32> = (0..m * k).map(|_| r.n()).collect();
@@ -406,7 +412,7 @@ fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
     let qw = DeviceBuf::from_slice(0, &awq.qweight).unwrap();
     let qz = DeviceBuf::from_slice(0, &awq.qzeros).unwrap();
     let sc = DeviceBuf::from_slice(0, &awq.scales).unwrap();
-    let dy = DeviceBuf::zeroed(0, m * n * 2).unwrap();
+    let dy = DeviceBuf::zeroed(0, (m * n + y_off) * 2).unwrap();
     let a = ops::W4a16Gemm {
         x: dx.ptr(),
         act,
@@ -417,14 +423,15 @@ fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
         qweight: qw.ptr(),
         qzeros: qz.ptr(),
         scales: sc.ptr(),
-        y: dy.ptr(),
+        y: dy.ptr() + (2 * y_off) as u64,
         workspace: 0,
         workspace_bytes: 0,
     };
     unsafe { ops::w4a16_gemm_awq(&a, S) }.unwrap();
     synchronize(0).unwrap();
     let y: Vec<u16> = dy.download().unwrap();
-    check_w4a16("gemm", act, (m, k, n, g), &xr, &w, &y);
+    assert!(y[..y_off].iter().all(|&v| v == 0), "written before y");
+    check_w4a16("gemm", act, (m, k, n, g), &xr, &w, &y[y_off..]);
 }
 
 /// Checks a W4A16 output `y [M, N]` against the float64 product of the rounded activations
@@ -594,7 +601,11 @@ fn w4a16_gemm_matches_cpu() {
                 // (128 x 1024) for the reduction's four-at-a-time path.
                 gemm_case(m, 256, 8448, 128, act, seed);
                 gemm_case(m, 4096, 1024, 128, act, seed + 1);
-                seed += 2;
+                // Outputs only 2-byte aligned: the wgmma epilogue unsplit, and the
+                // reduction's four-at-a-time path.
+                gemm_case_at(m, 256, 8448, 128, act, seed + 2, 1);
+                gemm_case_at(m, 4096, 1024, 128, act, seed + 3, 3);
+                seed += 4;
             }
         }
     }
