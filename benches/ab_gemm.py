@@ -33,14 +33,12 @@ import torch
 import forge
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cuda import SHAPES, G, cold_graph_time, graph_time  # noqa: E402
+from bench_cuda import SHAPES, G, awq_weights, cold_graph_time, graph_time  # noqa: E402
 
 
 def time_shape(tag: str, k: int, n: int, ms: list[int], peers: bool, reps: int) -> None:
     """Prints the rows of one weight shape ``(K, N)``."""
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    qmeta, _, _ = forge.build_quant_grid(w, G, 4, False, "range")
-    qw, qz, sc = forge.quantize_pack_awq(w, qmeta, G)
+    w, _, (qw, qz, sc) = awq_weights(k, n)
     deq = forge.dequantize_awq(qw, qz, sc, G).double()
     nbytes = qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2
 

@@ -400,7 +400,8 @@ fn gemm_case(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64) {
 }
 
 /// [`gemm_case`] with the output `y_off` elements into its buffer (`y_off` odd: a y only
-/// 2-byte aligned, as a view at an odd offset is; the kernels' 8-byte stores must not take it).
+/// 2-byte aligned, as a view at an odd element offset is, which any wider store would fault
+/// on or misplace).
 fn gemm_case_at(m: usize, k: usize, n: usize, g: usize, act: DType, seed: u64, y_off: usize) {
     let awq = awq_layer(n, k, g, seed);
     let mut r = Lcg(seed + 100);
