@@ -1,8 +1,10 @@
-"""A/B timing of ``forge.awq_matmul`` (W4A16 GEMM) for comparing kernel variants run by
+"""A/B timing of ``forge.awq_matmul`` (W4A16 GEMM), or with ``--tiled`` of the runtime's decode
+path (``runtime.awq_linear``: the tiled GEMV, M <= 16), for comparing kernel variants run by
 separate processes: JSON lines on stdout, one per (shape, M), warm and with the weights cold in
-L2, optionally beside bf16 cuBLAS on the same weights.
+L2, optionally beside bf16 cuBLAS (and with ``--tiled`` PyTorch's int4 tinygemm) on the same
+weights.
 
-    python benches/ab_gemm.py TAG [--ms 32,64,128] [--peers] [--reps 2]
+    python benches/ab_gemm.py TAG [--ms 32,64,128] [--tiled] [--peers] [--reps 2]
 
 The variants differ by environment, read once per process: ``FORGE_CUDA_SRC=dir`` (kernel
 sources from ``dir``, e.g. the previous ``cuda/gemm.cu`` and ``common.cuh``; give each variant
@@ -16,7 +18,9 @@ candidate, two runs each:
     done
 
 Each row holds ``warm_us`` (one weight set, graph time), ``cold_us`` (copies filling 3x the
-L2 called in turn), the worst error over its tolerance against the float64 product of the
+L2 called in turn), ``chain_us`` (as cold, but each call's x made by a small torch kernel just
+before it, as a decode step's previous op makes it: that kernel's time is included, for the
+peers alike, and a GEMV cannot start before it the way it can overlap another GEMV), the worst error over its tolerance against the float64 product of the
 dequantized weights (``err_tol`` < 1 passes) and ``ysum`` (the output's sum: equal between
 variants that sum in the same order). Times are the lower of ``--reps`` measurements.
 """
@@ -35,19 +39,41 @@ import forge
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cuda import SHAPES, G, awq_weights, cold_graph_time, graph_time  # noqa: E402
 
+from forge import runtime  # noqa: E402
 
-def time_shape(tag: str, k: int, n: int, ms: list[int], peers: bool, reps: int) -> None:
+
+def tinygemm_weights(qw, qz, sc):
+    """PyTorch's int4 tinygemm packing of the same 4-bit weights (as bench_cuda.py)."""
+    codes, zeros = forge.unpack_awq(qw, qz, G)
+    codes = codes.t().contiguous()
+    w_int4 = torch.ops.aten._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), 8)
+    s = sc.to(torch.bfloat16)
+    return w_int4, torch.stack([s, (8 - zeros.to(torch.bfloat16)) * s], dim=-1).contiguous()
+
+
+def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool, reps: int) -> None:
     """Prints the rows of one weight shape ``(K, N)``."""
     w, _, (qw, qz, sc) = awq_weights(k, n)
     deq = forge.dequantize_awq(qw, qz, sc, G).double()
     nbytes = qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2
+    tiny = tinygemm_weights(qw, qz, sc) if tiled and peers else None
 
     def best(fn) -> float:
         return min(fn() for _ in range(reps)) * 1e6
 
+    def ours(c):
+        """Our call of x on the AWQ tensors ``c`` (with --tiled, their tile-layout copy cached)."""
+        if not tiled:
+            return lambda xx: forge.awq_matmul(xx, *c, G)
+        cache: dict = {}
+        return lambda xx: runtime.awq_linear(xx, *c, G, cache=cache)
+
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        y = forge.awq_matmul(x, qw, qz, sc, G)
+        cache: dict = {}
+        y = runtime.awq_linear(x, qw, qz, sc, G, cache=cache) if tiled else forge.awq_matmul(x, qw, qz, sc, G)
+        if tiled and "tiled" not in cache:
+            raise SystemExit(f"the tiled GEMV does not take M = {m} at {k}x{n}")
         ref = x.double() @ deq.t()
         # bf16: the weights rounded to bf16 and the output rounding (as the GPU tests)
         tol = 2**-7 * (x.double().abs() @ deq.abs().t()) + 2**-7 * ref.abs()
@@ -60,19 +86,40 @@ def time_shape(tag: str, k: int, n: int, ms: list[int], peers: bool, reps: int) 
             "ysum": float(y.double().sum()),
         }
 
-        def ours_on_copy(i, x=x):
-            c = (qw.clone(), qz.clone(), sc.clone())
-            return lambda: forge.awq_matmul(x, *c, G)
+        # Each contestant: (a function making its call of x on copy i of its weights, bytes a copy).
+        def ours_copy(i):
+            return ours((qw.clone(), qz.clone(), sc.clone()))
 
-        def bf16_on_copy(i, x=x):
+        def bf16_copy(i):
             a = w.clone()
-            return lambda: x @ a.t()
+            return lambda xx: xx @ a.t()
 
-        row["warm_us"] = best(lambda x=x: graph_time(lambda: forge.awq_matmul(x, qw, qz, sc, G)))
-        row["cold_us"] = best(lambda: cold_graph_time(ours_on_copy, nbytes))
+        def tiny_copy(i):
+            wi, szi = tiny[0].clone(), tiny[1].clone()
+            return lambda xx: torch.ops.aten._weight_int4pack_mm(xx, wi, G, szi)
+
+        contestants = {"": (ours_copy, nbytes)}
         if peers:
-            row["bf16_warm_us"] = best(lambda x=x: graph_time(lambda: x @ w.t()))
-            row["bf16_cold_us"] = best(lambda: cold_graph_time(bf16_on_copy, w.numel() * 2))
+            contestants["bf16_"] = (bf16_copy, w.numel() * 2)
+        if tiny is not None:
+            contestants["tinygemm_"] = (
+                tiny_copy,
+                tiny[0].numel() * tiny[0].element_size() + tiny[1].numel() * 2,
+            )
+        for name, (make, nb) in contestants.items():
+            call = make(0)
+            row[f"{name}warm_us"] = best(lambda x=x, call=call: graph_time(lambda: call(x)))
+
+            def cold(i, x=x, make=make):
+                f = make(i)
+                return lambda: f(x)
+
+            def chain(i, x=x, make=make):
+                f = make(i)
+                return lambda: f(x.mul(1.0))
+
+            row[f"{name}cold_us"] = best(lambda make=cold, nb=nb: cold_graph_time(make, nb))
+            row[f"{name}chain_us"] = best(lambda make=chain, nb=nb: cold_graph_time(make, nb))
         print(json.dumps(row), flush=True)
 
 
@@ -80,13 +127,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("tag", help="the variant's name, copied into every row")
     ap.add_argument("--ms", default="32,64,128", help="activation rows M, comma-separated")
-    ap.add_argument("--peers", action="store_true", help="also time bf16 cuBLAS on the same weights")
+    ap.add_argument("--tiled", action="store_true", help="time runtime.awq_linear's tiled GEMV (M <= 16)")
+    ap.add_argument(
+        "--peers",
+        action="store_true",
+        help="also time bf16 cuBLAS (with --tiled: and tinygemm) on the same weights",
+    )
     ap.add_argument("--reps", type=int, default=2, help="measurements per time (the lowest is kept)")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     torch.manual_seed(0)
     for k, n in SHAPES:
-        time_shape(args.tag, k, n, ms, args.peers, args.reps)
+        time_shape(args.tag, k, n, ms, args.tiled, args.peers, args.reps)
         torch.cuda.empty_cache()
 
 

@@ -311,6 +311,20 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// L2 prefetches (sm_90+; no-ops before): hints with no effect on what a later load returns (L2
+// is where the device's writes meet), so a kernel may issue them for memory the previous grid
+// might still write, before its pdl_wait. `bytes` a positive multiple of 16, `p` 16-byte aligned.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#endif
+}
+
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));

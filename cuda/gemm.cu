@@ -333,6 +333,18 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         }
     };
 
+    // Launched with programmatic serialization (ops.rs): the block's weight rows (64 bytes each)
+    // and group metadata start their trip from DRAM as L2 prefetches while the previous kernel
+    // on the stream finishes (hints: valid even if that kernel writes them); x, the workspace
+    // and y wait for it.
+    for (int r = tid; r < kend - kbeg; r += WG_THREADS) prefetch_l2(qw + (i64)(kbeg + r) * NW + wc0);
+    for (int gi = kbeg / G + tid; gi < (kend + G - 1) / G; gi += WG_THREADS) {
+        prefetch_l2(qz + (i64)gi * NW + wc0);
+        prefetch_l2(sc + (i64)gi * N + 8 * wc0);
+        prefetch_l2(sc + (i64)gi * N + 8 * wc0 + 64);
+    }
+    pdl_wait();
+
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = 0.0f;
@@ -1210,6 +1222,19 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     st.sc = sc + (i64)gbeg * N + 16 * t + g;
     st.nib = awq_nibble(g);
     st.left = gend - gbeg;
+
+    // Launched with programmatic serialization (ops.rs): this grid may start while the previous
+    // kernel on the stream still runs. The weights and their metadata are (in a model) not its
+    // output, so their trip from DRAM starts now, as L2 prefetches (hints, valid even for memory
+    // that kernel writes); x and y wait for it to finish. The next GEMV may likewise start
+    // prefetching while this one runs.
+    if (lane == 0 && n > 0) prefetch_l2_bulk(wp - lane, (u32)n * 512u);
+    for (int i = lane; i < st.left; i += 32) {
+        prefetch_l2(st.sc + (i64)i * N);
+        prefetch_l2(st.qz + (i64)i * st.NW);
+    }
+    pdl_launch_dependents();
+    pdl_wait();
     st.load_meta();
 
     uint4 wr[RW], xa[RX][NT], xb[RX][NT];

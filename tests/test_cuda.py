@@ -282,6 +282,53 @@ def test_tiled_decode_switch_and_large_calls(monkeypatch):
         assert torch.equal(runtime.awq_linear(xv, qw, qz, sc, 128, cache=cache), want)
 
 
+@pytest.mark.parametrize("path,m", [("tiled", 1), ("tiled", 16), ("gemm", 64), ("gemm", 130)])
+def test_w4a16_reads_what_the_previous_kernel_wrote(path, m):
+    """On Hopper the tiled GEMV and the wgmma GEMM are launched programmatically: they start
+    while the previous kernel on the stream still runs and prefetch their weights into L2
+    before waiting for it. Back to back, with no synchronisation, x written by a long kernel
+    just before each call and the weights changed in place by a kernel between calls (for the
+    tiled path: remade by the tile repack, the kernel right before the GEMV): every call must
+    see the new x and the new weights (float64 reference of each step's weights)."""
+    from forge import runtime
+
+    k, n, group, steps = 2048, 1024, 128, 5
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    qmeta, _, _ = forge.build_quant_grid(w, group, 4, False, "range")
+    qw, qz, sc = (t.cuda() for t in forge.quantize_pack_awq(w, qmeta, group))
+    masks = torch.randint(1, 2**31, (steps,), generator=gen).tolist()
+    big = 1 << 25  # x is the tail of a 64 MB buffer, written by the kernel before the call
+    src = torch.randn(steps, big, generator=gen).to(torch.bfloat16).cuda()
+    xbuf = torch.empty(big, dtype=torch.bfloat16, device="cuda")
+    x = xbuf[-m * k :].view(m, k)
+    cache: dict = {}
+    torch.cuda.synchronize()
+    ys = []
+    for i in range(steps):
+        qw.bitwise_xor_(masks[i])
+        torch.mul(src[i], 1.0, out=xbuf)
+        y = (
+            runtime.awq_linear(x, qw, qz, sc, group, cache=cache)
+            if path == "tiled"
+            else forge.awq_matmul(x, qw, qz, sc, group)
+        )
+        ys.append(y)
+    torch.cuda.synchronize()
+    assert ("tiled" in cache) == (path == "tiled")
+    qw_i = qw.cpu()
+    for mask in masks:
+        qw_i ^= mask  # back to the original codes
+    for i in range(steps):
+        qw_i ^= masks[i]
+        ref = (
+            src[i, -m * k :].view(m, k).double().cpu()
+            @ forge.dequantize_awq(qw_i, qz.cpu(), sc.cpu(), group).double().t()
+        )
+        err = float((ys[i].double().cpu() - ref).abs().max() / ref.abs().max())
+        assert err < awq_matmul_tol(torch.bfloat16), (i, err)
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("experts", [1, 3])
 @pytest.mark.parametrize("k", [384, 640])  # 640: past the CUDA solver's 512-column super-block

@@ -1094,17 +1094,32 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
         k_chunk as i32,
     );
     let (mut px, mut pqw, mut pqz, mut psc) = (a.x, a.qweight, a.qzeros, a.scales);
+    // The wgmma kernel is launched programmatically: it prefetches its weights into L2 while
+    // the previous kernel finishes and waits for it (`pdl_wait`) before its first load.
+    let run = |p: &mut [*mut std::ffi::c_void]| {
+        let dims = (grid, (threads, 1, 1), smem);
+        // SAFETY: the caller's parameter list matches w4a16_awq_<dt>_m<MT> / w4a16_wg_<dt>;
+        // w4a16_wg_<dt> calls pdl_wait before anything but L2 prefetches.
+        unsafe {
+            if plan.kernel == GemmKernel::Wgmma {
+                launch_programmatic(dev, f, dims, s.handle, p)
+            } else {
+                launch(dev, f, dims.0, dims.1, smem, s.handle, p)
+            }
+        }
+    };
     if splits == 1 {
         let (mut out, mut split_out) = (a.y, 0i32);
-        let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
-        // SAFETY: parameter list matches w4a16_awq_<dt>_m<MT> and w4a16_wg_<dt>.
-        return unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) };
+        return run(&mut args!(
+            px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out
+        ));
     }
     let mut launch_partials = |ws: u64| {
         let (mut out, mut split_out) = (ws, 1i32);
-        let mut p = args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
-        // SAFETY: as above; ws holds splits·M·N floats.
-        unsafe { launch(dev, f, grid, (threads, 1, 1), smem, s.handle, &mut p) }
+        // ws holds splits·M·N floats.
+        run(&mut args!(
+            px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out
+        ))
     };
     // SAFETY: y holds M·N outputs; the workspace per the caller's contract.
     unsafe {
@@ -1267,19 +1282,12 @@ pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
         a.group_size as i32,
     );
     let mut p = args!(px, pq, pz, ps, py, mm, nn, kk, g);
-    let grid = (blocks(a.n, TILE_N)?, 1, 1);
-    // SAFETY: parameter list matches w4a16_gemv_tiled_<dt>.
-    unsafe {
-        launch(
-            dev,
-            f,
-            grid,
-            ((32 * warps) as u32, 1, 1),
-            0,
-            s.handle,
-            &mut p,
-        )
-    }
+    let dims = ((blocks(a.n, TILE_N)?, 1, 1), ((32 * warps) as u32, 1, 1), 0);
+    // Launched programmatically (Hopper): it prefetches its weights into L2 while the previous
+    // kernel finishes, and waits for that kernel (`pdl_wait`) before reading x or writing y.
+    // SAFETY: parameter list matches w4a16_gemv_tiled_<dt>; the kernel calls pdl_wait before
+    // it loads anything (its earlier accesses are L2 prefetches).
+    unsafe { launch_programmatic(dev, f, dims, s.handle, &mut p) }
 }
 
 // ---------------------------------------------------------------------------------------

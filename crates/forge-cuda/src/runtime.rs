@@ -281,7 +281,10 @@ pub(crate) unsafe fn launch_programmatic(
     stream: u64,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    if dev.cc < (9, 0) {
+    // FORGE_PDL=0: plain launches (for a profiler or an A/B run that wants them serialized).
+    static PDL: OnceLock<bool> = OnceLock::new();
+    let pdl = *PDL.get_or_init(|| std::env::var("FORGE_PDL").map_or(true, |v| v != "0"));
+    if dev.cc < (9, 0) || !pdl {
         // SAFETY: as the caller's.
         return unsafe { launch(dev, f, grid, block, smem, stream, params) };
     }
