@@ -297,9 +297,10 @@ __device__ __forceinline__ void fma_outer4x4(float (&acc)[4][4], const float (&a
 
 // ---- misc ------------------------------------------------------------------------------
 // Programmatic dependent launch (sm_90+; no-ops before). A kernel launched after this one with
-// programmatic stream serialization (ops.rs: the split-K reduction) may be scheduled once
-// every block of this grid has called pdl_launch_dependents, so its launch overlaps this
-// grid's tail; its pdl_wait returns when this grid has finished and its writes are visible.
+// programmatic stream serialization (ops.rs: the wgmma GEMM, the split-K reduction) may be
+// scheduled once every block of this grid has called pdl_launch_dependents (or exited), so its
+// launch overlaps this grid's tail; its pdl_wait returns when this grid has finished and its
+// writes are visible.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -308,20 +309,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-// L2 prefetches (sm_90+; no-ops before): hints with no effect on what a later load returns (L2
-// is where the device's writes meet), so a kernel may issue them for memory the previous grid
-// might still write, before its pdl_wait. `bytes` a positive multiple of 16, `p` 16-byte aligned.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 #endif
 }
 

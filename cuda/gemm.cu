@@ -333,16 +333,10 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         }
     };
 
-    // Launched with programmatic serialization (ops.rs): the block's weight rows (64 bytes each)
-    // and group metadata start their trip from DRAM as L2 prefetches while the previous kernel
-    // on the stream finishes (hints: valid even if that kernel writes them); x, the workspace
-    // and y wait for it.
-    for (int r = tid; r < kend - kbeg; r += WG_THREADS) prefetch_l2(qw + (i64)(kbeg + r) * NW + wc0);
-    for (int gi = kbeg / G + tid; gi < (kend + G - 1) / G; gi += WG_THREADS) {
-        prefetch_l2(qz + (i64)gi * NW + wc0);
-        prefetch_l2(sc + (i64)gi * N + 8 * wc0);
-        prefetch_l2(sc + (i64)gi * N + 8 * wc0 + 64);
-    }
+    // Launched with programmatic serialization (ops.rs): the set-up above overlaps the previous
+    // kernel's tail; every load and store waits for it. (L2 prefetches of the block's weights
+    // before this wait were slower: the whole slice by up to 18 % on 7168x18432, where the
+    // prefetched lines outrun the L2; the first two stages no faster than none. README.)
     pdl_wait();
 
     float acc[64];
@@ -1222,19 +1216,6 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     st.sc = sc + (i64)gbeg * N + 16 * t + g;
     st.nib = awq_nibble(g);
     st.left = gend - gbeg;
-
-    // Launched with programmatic serialization (ops.rs): this grid may start while the previous
-    // kernel on the stream still runs. The weights and their metadata are (in a model) not its
-    // output, so their trip from DRAM starts now, as L2 prefetches (hints, valid even for memory
-    // that kernel writes); x and y wait for it to finish. The next GEMV may likewise start
-    // prefetching while this one runs.
-    if (lane == 0 && n > 0) prefetch_l2_bulk(wp - lane, (u32)n * 512u);
-    for (int i = lane; i < st.left; i += 32) {
-        prefetch_l2(st.sc + (i64)i * N);
-        prefetch_l2(st.qz + (i64)i * st.NW);
-    }
-    pdl_launch_dependents();
-    pdl_wait();
     st.load_meta();
 
     uint4 wr[RW], xa[RX][NT], xb[RX][NT];
@@ -1306,6 +1287,9 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 // an H100 as fast as 2 on 7168x18432 and 0.2 µs faster on 2048x7168 (README). 8 < M <= 16
 // (w4a16_gemv_tiled16_*): two token tiles share each A fragment, 3 chunks of each in flight
 // (118 registers; 2: 100 registers, 53 against 45.5 µs on 7168x18432 at M = 16 on an H100).
+// Launched plainly: programmatic launch with L2 prefetches of the weights before the wait was
+// faster back to back (cold 6.9 -> 5.3 µs) but slower after a foreign kernel, and whole-model
+// decode 1 % slower (README, "Programmatic launch").
 #define FORGE_GEMV_TILED_ENTRY(SUF, BF)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * TILED_MAX_WARPS) w4a16_gemv_tiled_##SUF(                  \
         const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) {       \

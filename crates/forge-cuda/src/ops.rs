@@ -1094,12 +1094,12 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
         k_chunk as i32,
     );
     let (mut px, mut pqw, mut pqz, mut psc) = (a.x, a.qweight, a.qzeros, a.scales);
-    // The wgmma kernel is launched programmatically: it prefetches its weights into L2 while
-    // the previous kernel finishes and waits for it (`pdl_wait`) before its first load.
+    // The wgmma kernel is launched programmatically (Hopper): its set-up overlaps the previous
+    // kernel's tail, and it waits for that kernel (`pdl_wait`) before its first load or store.
     let run = |p: &mut [*mut std::ffi::c_void]| {
         let dims = (grid, (threads, 1, 1), smem);
         // SAFETY: the caller's parameter list matches w4a16_awq_<dt>_m<MT> / w4a16_wg_<dt>;
-        // w4a16_wg_<dt> calls pdl_wait before anything but L2 prefetches.
+        // w4a16_wg_<dt> calls pdl_wait before it touches memory.
         unsafe {
             if plan.kernel == GemmKernel::Wgmma {
                 launch_programmatic(dev, f, dims, s.handle, p)
@@ -1282,12 +1282,19 @@ pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
         a.group_size as i32,
     );
     let mut p = args!(px, pq, pz, ps, py, mm, nn, kk, g);
-    let dims = ((blocks(a.n, TILE_N)?, 1, 1), ((32 * warps) as u32, 1, 1), 0);
-    // Launched programmatically (Hopper): it prefetches its weights into L2 while the previous
-    // kernel finishes, and waits for that kernel (`pdl_wait`) before reading x or writing y.
-    // SAFETY: parameter list matches w4a16_gemv_tiled_<dt>; the kernel calls pdl_wait before
-    // it loads anything (its earlier accesses are L2 prefetches).
-    unsafe { launch_programmatic(dev, f, dims, s.handle, &mut p) }
+    let grid = (blocks(a.n, TILE_N)?, 1, 1);
+    // SAFETY: parameter list matches w4a16_gemv_tiled_<dt>.
+    unsafe {
+        launch(
+            dev,
+            f,
+            grid,
+            ((32 * warps) as u32, 1, 1),
+            0,
+            s.handle,
+            &mut p,
+        )
+    }
 }
 
 // ---------------------------------------------------------------------------------------
