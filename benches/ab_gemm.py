@@ -37,36 +37,29 @@ import torch
 import forge
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cuda import SHAPES, G, awq_weights, cold_graph_time, graph_time  # noqa: E402
+from bench_cuda import (  # noqa: E402
+    SHAPES,
+    G,
+    awq_maker,
+    awq_weights,
+    bf16_maker,
+    cold_and_chain_times,
+    graph_time,
+    tinygemm_maker,
+    tinygemm_weights,
+)
 
 from forge import runtime  # noqa: E402
-
-
-def tinygemm_weights(qw, qz, sc):
-    """PyTorch's int4 tinygemm packing of the same 4-bit weights (as bench_cuda.py)."""
-    codes, zeros = forge.unpack_awq(qw, qz, G)
-    codes = codes.t().contiguous()
-    w_int4 = torch.ops.aten._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), 8)
-    s = sc.to(torch.bfloat16)
-    return w_int4, torch.stack([s, (8 - zeros.to(torch.bfloat16)) * s], dim=-1).contiguous()
 
 
 def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool, reps: int) -> None:
     """Prints the rows of one weight shape ``(K, N)``."""
     w, _, (qw, qz, sc) = awq_weights(k, n)
     deq = forge.dequantize_awq(qw, qz, sc, G).double()
-    nbytes = qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2
     tiny = tinygemm_weights(qw, qz, sc) if tiled and peers else None
 
     def best(fn) -> float:
         return min(fn() for _ in range(reps)) * 1e6
-
-    def ours(c):
-        """Our call of x on the AWQ tensors ``c`` (with --tiled, their tile-layout copy cached)."""
-        if not tiled:
-            return lambda xx: forge.awq_matmul(xx, *c, G)
-        cache: dict = {}
-        return lambda xx: runtime.awq_linear(xx, *c, G, cache=cache)
 
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -86,40 +79,17 @@ def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool
             "ysum": float(y.double().sum()),
         }
 
-        # Each contestant: (a function making its call of x on copy i of its weights, bytes a copy).
-        def ours_copy(i):
-            return ours((qw.clone(), qz.clone(), sc.clone()))
-
-        def bf16_copy(i):
-            a = w.clone()
-            return lambda xx: xx @ a.t()
-
-        def tiny_copy(i):
-            wi, szi = tiny[0].clone(), tiny[1].clone()
-            return lambda xx: torch.ops.aten._weight_int4pack_mm(xx, wi, G, szi)
-
-        contestants = {"": (ours_copy, nbytes)}
+        contestants = {"": awq_maker(qw, qz, sc, tiled)}
         if peers:
-            contestants["bf16_"] = (bf16_copy, w.numel() * 2)
+            contestants["bf16_"] = bf16_maker(w)
         if tiny is not None:
-            contestants["tinygemm_"] = (
-                tiny_copy,
-                tiny[0].numel() * tiny[0].element_size() + tiny[1].numel() * 2,
-            )
+            contestants["tinygemm_"] = tinygemm_maker(tiny)
         for name, (make, nb) in contestants.items():
             call = make(0)
             row[f"{name}warm_us"] = best(lambda x=x, call=call: graph_time(lambda: call(x)))
-
-            def cold(i, x=x, make=make):
-                f = make(i)
-                return lambda: f(x)
-
-            def chain(i, x=x, make=make):
-                f = make(i)
-                return lambda: f(x.mul(1.0))
-
-            row[f"{name}cold_us"] = best(lambda make=cold, nb=nb: cold_graph_time(make, nb))
-            row[f"{name}chain_us"] = best(lambda make=chain, nb=nb: cold_graph_time(make, nb))
+            times = [cold_and_chain_times(make, nb, x) for _ in range(reps)]
+            row[f"{name}cold_us"] = min(c for c, _ in times) * 1e6
+            row[f"{name}chain_us"] = min(c for _, c in times) * 1e6
         print(json.dumps(row), flush=True)
 
 

@@ -107,18 +107,75 @@ def awq_weights(k: int, n: int, dtype=torch.bfloat16):
     return w, qmeta, forge.quantize_pack_awq(w, qmeta, G)
 
 
+def tinygemm_weights(qw, qz, sc):
+    """PyTorch's int4 tinygemm packing of the same 4-bit AWQ weights: (int4pack, scales and
+    zeros (K/G, N, 2)) for ``torch.ops.aten._weight_int4pack_mm``."""
+    codes, zeros = forge.unpack_awq(qw, qz, G)  # (K, N), (K/G, N) uint8
+    codes = codes.t().contiguous()  # (N, K)
+    w_int4 = torch.ops.aten._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), 8)
+    s = sc.to(torch.bfloat16)
+    # tinygemm: w = (q - 8) * s + zp  ->  zp = (8 - z) * s
+    return w_int4, torch.stack([s, (8 - zeros.to(torch.bfloat16)) * s], dim=-1).contiguous()
+
+
+# Contestants of the cold and chain timings: (make, bytes a copy), where make(i) clones the
+# weights into copy i and returns that copy's call of x.
+def bf16_maker(w):
+    """bf16 cuBLAS ``x @ W.T``."""
+
+    def make(i):
+        wc = w.clone()
+        return lambda x: x @ wc.t()
+
+    return make, w.numel() * w.element_size()
+
+
+def tinygemm_maker(tiny):
+    """PyTorch's int4 tinygemm on :func:`tinygemm_weights`' tensors."""
+
+    def make(i):
+        wc, szc = tiny[0].clone(), tiny[1].clone()
+        return lambda x: torch.ops.aten._weight_int4pack_mm(x, wc, G, szc)
+
+    return make, tiny[0].numel() * tiny[0].element_size() + tiny[1].numel() * tiny[1].element_size()
+
+
+def awq_maker(qw, qz, sc, tiled: bool = False):
+    """Ours: ``forge.awq_matmul``, or with ``tiled`` ``runtime.awq_linear`` (its decode path,
+    the tile-layout copy cached at the copy's first call)."""
+
+    def make(i):
+        c = (qw.clone(), qz.clone(), sc.clone())
+        if tiled:
+            cache: dict = {}
+            return lambda x: runtime.awq_linear(x, *c, G, cache=cache)
+        return lambda x: forge.awq_matmul(x, *c, G)
+
+    return make, qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2
+
+
+def cold_and_chain_times(make, nbytes: int, x) -> tuple[float, float]:
+    """Seconds a call of ``make(i)(x)`` (copy ``i`` of the weights, ``nbytes`` a copy) with
+    the weights cold in L2 (:func:`cold_graph_time`), and in a chain: the same with each
+    call's x made by a small torch kernel just before it, as a decode step's norm or
+    activation makes it (that kernel's time included; a kernel that may start before its
+    predecessor has finished cannot do so after one that does not signal early)."""
+
+    def cold(i):
+        f = make(i)
+        return lambda: f(x)
+
+    def chain(i):
+        f = make(i)
+        return lambda: f(x.mul(1.0))
+
+    return cold_graph_time(cold, nbytes), cold_graph_time(chain, nbytes)
+
+
 def bench_gemm(rows, bw):
     for k, n in SHAPES:
         w, _, (qw, qz, sc) = awq_weights(k, n)
-        # tinygemm wants its own packing of the same 4-bit weights
-        codes, zeros = forge.unpack_awq(qw, qz, G)  # (K, N), (K/G, N) uint8
-        codes = codes.t().contiguous()  # (N, K)
-        w_int4 = torch.ops.aten._convert_weight_to_int4pack(
-            (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), 8
-        )
-        s = sc.to(torch.bfloat16)
-        # tinygemm: w = (q - 8) * s + zp  ->  zp = (8 - z) * s
-        sz = torch.stack([s, (8 - zeros.to(torch.bfloat16)) * s], dim=-1).contiguous()  # (K/G, N, 2)
+        w_int4, sz = tinygemm_weights(qw, qz, sc)  # tinygemm wants its own packing
         limit = (qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2) / bw
         deq_t = forge.dequantize_awq(qw, qz, sc, G).t()  # once a shape, not once an M
         for m in (1, 4, 8, 16, 64, 128):
@@ -142,37 +199,17 @@ def bench_gemm(rows, bw):
                     t = graph_time(lambda x=x, cache=cache: runtime.awq_linear(x, qw, qz, sc, G, cache=cache))
                     runs.append(("w4a16_gemv_tiled", t, y))
 
-            # The same calls with their weights cold in L2: each copy of the weights its own call
-            # on the x that ``xf()`` gives. Cold: x as it is; chain: made by a small torch kernel
-            # just before each call, as a decode step's norm or activation makes it (its time
-            # included, for every contestant; a kernel that may start before its predecessor has
-            # finished cannot do so after that one, which does not signal early).
-            def bf16_on_copy(i, xf):
-                wc = w.clone()
-                return lambda: xf() @ wc.t()
-
-            def tiny_on_copy(i, xf):
-                wc, szc = w_int4.clone(), sz.clone()
-                return lambda: torch.ops.aten._weight_int4pack_mm(xf(), wc, G, szc)
-
-            def ours_on_copy(i, xf, tiled=False):
-                qc, zc, sc_ = qw.clone(), qz.clone(), sc.clone()
-                if tiled:
-                    cache: dict = {}
-                    return lambda: runtime.awq_linear(xf(), qc, zc, sc_, G, cache=cache)
-                return lambda: forge.awq_matmul(xf(), qc, zc, sc_, G)
-
-            awq_bytes = qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2
-            tiny_bytes = w_int4.numel() * w_int4.element_size() + sz.numel() * 2
+            # The same calls with their weights cold in L2, and in a chain.
+            contestants = {
+                "bf16": bf16_maker(w),
+                "tinygemm": tinygemm_maker((w_int4, sz)),
+                "w4a16_gemm": awq_maker(qw, qz, sc),
+            }
+            if len(runs) > 1:
+                contestants["w4a16_gemv_tiled"] = awq_maker(qw, qz, sc, tiled=True)
             cold, chain = {}, {}
-            for times, xf in ((cold, lambda x=x: x), (chain, lambda x=x: x.mul(1.0))):
-                times["bf16"] = cold_graph_time(lambda i, xf=xf: bf16_on_copy(i, xf), w.numel() * 2)
-                times["tinygemm"] = cold_graph_time(lambda i, xf=xf: tiny_on_copy(i, xf), tiny_bytes)
-                times["w4a16_gemm"] = cold_graph_time(lambda i, xf=xf: ours_on_copy(i, xf), awq_bytes)
-                if len(runs) > 1:
-                    times["w4a16_gemv_tiled"] = cold_graph_time(
-                        lambda i, xf=xf: ours_on_copy(i, xf, tiled=True), awq_bytes
-                    )
+            for name, (make, nb) in contestants.items():
+                cold[name], chain[name] = cold_and_chain_times(make, nb, x)
             for op, t, y in runs:
                 rows.add(
                     op,

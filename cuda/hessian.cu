@@ -78,6 +78,9 @@ __device__ __forceinline__ bool ht_block(float* H, const int* off, int T, int D,
     return ht_segment(H, off, T, D, b.r0, b.r1, b.He);
 }
 
+// One element of H: the fresh value with `overwrite`, else added to what H holds.
+__device__ __forceinline__ void h_put(float* h, float v, bool overwrite) { *h = overwrite ? v : *h + v; }
+
 #define HS_T 64
 #define HS_K 16
 
@@ -127,11 +130,9 @@ __device__ __forceinline__ void hessian_impl(const void* x, float* H, const int*
         for (int q = 0; q < 4; q++) {
             int i = i0 + ty * 4 + p, j = j0 + tx * 4 + q;
             if (i < D && j < D) {
-                float v = alpha * acc[p][q];
-                float* hij = b.He + (i64)i * D + j;
-                float* hji = b.He + (i64)j * D + i;
-                *hij = overwrite ? v : *hij + v;
-                if (!b.diag) *hji = overwrite ? v : *hji + v;
+                const float v = alpha * acc[p][q];
+                h_put(b.He + (i64)i * D + j, v, overwrite);
+                if (!b.diag) h_put(b.He + (i64)j * D + i, v, overwrite);
             }
         }
     }
@@ -174,16 +175,11 @@ __device__ __forceinline__ void ht_epilogue(const float* S, float* He, int D, in
             const int i = i0 + a, j = j0 + c;
             if (i < D && j < D) {
                 const float v = alpha * (diag && a > c ? S[c * HT_SROW + a] : S[a * HT_SROW + c]);
-                float* h = He + (i64)i * D + j;
-                *h = overwrite ? v : *h + v;
+                h_put(He + (i64)i * D + j, v, overwrite);
             }
             // The mirror: row j0 + a of H, columns i0 + c, from column a of S.
             const int mi_ = j0 + a, mj = i0 + c;
-            if (!diag && mi_ < D && mj < D) {
-                const float v = alpha * S[c * HT_SROW + a];
-                float* h = He + (i64)mi_ * D + mj;
-                *h = overwrite ? v : *h + v;
-            }
+            if (!diag && mi_ < D && mj < D) h_put(He + (i64)mi_ * D + mj, alpha * S[c * HT_SROW + a], overwrite);
         }
     }
 }

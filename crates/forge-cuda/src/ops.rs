@@ -657,6 +657,12 @@ impl GemmKernel {
     fn takes_log2_group(self) -> bool {
         matches!(self, GemmKernel::Gemv | GemmKernel::Gemv3 { .. })
     }
+    /// Launched programmatically (Hopper): the wgmma kernel's set-up overlaps the previous
+    /// kernel's tail; it calls `pdl_wait` before it touches memory. (The decode GEMV measured
+    /// slower so after a torch kernel: crates/forge-cuda/README.md, "Programmatic launch".)
+    fn programmatic(self) -> bool {
+        self == GemmKernel::Wgmma
+    }
 }
 
 /// How the GEMM splits its work.
@@ -1094,17 +1100,14 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
         k_chunk as i32,
     );
     let (mut px, mut pqw, mut pqz, mut psc) = (a.x, a.qweight, a.qzeros, a.scales);
-    // The wgmma kernel is launched programmatically (Hopper): its set-up overlaps the previous
-    // kernel's tail, and it waits for that kernel (`pdl_wait`) before its first load or store.
-    let run = |p: &mut [*mut std::ffi::c_void]| {
-        let dims = (grid, (threads, 1, 1), smem);
+    let run = |p: &mut [*mut c_void]| {
         // SAFETY: the caller's parameter list matches w4a16_awq_<dt>_m<MT> / w4a16_wg_<dt>;
-        // w4a16_wg_<dt> calls pdl_wait before it touches memory.
+        // a programmatic kernel calls pdl_wait before it touches memory.
         unsafe {
-            if plan.kernel == GemmKernel::Wgmma {
-                launch_programmatic(dev, f, dims, s.handle, p)
+            if plan.kernel.programmatic() {
+                launch_programmatic(dev, f, (grid, (threads, 1, 1), smem), s.handle, p)
             } else {
-                launch(dev, f, dims.0, dims.1, smem, s.handle, p)
+                launch(dev, f, grid, (threads, 1, 1), smem, s.handle, p)
             }
         }
     };
