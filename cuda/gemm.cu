@@ -1283,8 +1283,10 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     }
 }
 
-// M <= 8 (w4a16_gemv_tiled_*): 4 chunks of weights and x in flight a warp (118 registers): on
-// an H100 as fast as 2 on 7168x18432 and 0.2 µs faster on 2048x7168 (README). 8 < M <= 16
+// M <= 8 (w4a16_gemv_tiled_*): 2 chunks of weights and x in flight a warp (80 registers, 25
+// warps an SM; 4 chunks took 118): with the warps a block fitted to whole waves (ops.rs
+// tiled_warps), 7168x18432 at M = 1 32.3 against 34.3 µs and 2048x7168 cold 6.6 against 6.9
+// on an H100, 2048x7168 warm (L2-resident) 5.5 against 5.0 (README). 8 < M <= 16
 // (w4a16_gemv_tiled16_*): two token tiles share each A fragment, 3 chunks of each in flight
 // (118 registers; 2: 100 registers, 53 against 45.5 µs on 7168x18432 at M = 16 on an H100).
 // Launched plainly: programmatic launch with L2 prefetches of the weights before the wait was
@@ -1293,7 +1295,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 #define FORGE_GEMV_TILED_ENTRY(SUF, BF)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * TILED_MAX_WARPS) w4a16_gemv_tiled_##SUF(                  \
         const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) {       \
-        w4a16_gemv_tiled_impl<BF, 4, 4, 1>(x, qt, qz, sc, y, M, N, K, G);                                       \
+        w4a16_gemv_tiled_impl<BF, 2, 2, 1>(x, qt, qz, sc, y, M, N, K, G);                                       \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * TILED_MAX_WARPS) w4a16_gemv_tiled16_##SUF(                \
         const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) {       \

@@ -1240,8 +1240,21 @@ impl TiledGemv {
     }
 }
 
-/// Warps per block of the tiled GEMV (gemm.cu `TILED_MAX_WARPS` is the most).
-fn tiled_warps(sms: usize, tiles: usize, groups: usize) -> usize {
+/// Warps per block of the tiled GEMV (gemm.cu `TILED_MAX_WARPS` is the most), for `tiles`
+/// blocks of `groups` K-groups each on `sms` SMs, `blocks_per_sm(w)` of `w` warps resident
+/// at once. A block's warps take `ceil(groups / w)` whole groups each (the busiest warp sets
+/// the block's time) and the blocks run in `ceil(tiles / (sms · blocks_per_sm(w)))` waves,
+/// each wave paying its ramp (first loads, the block's final reduction) besides its groups:
+/// the fewest `waves · (TILED_WAVE_GROUPS + ceil(groups / w))` wins, ties to more warps.
+/// A whole last wave matters: on an H100, 7168×18432 (1152 tiles of 56 groups) at 4 warps a
+/// block made 2.2 waves of 528 blocks, and 5 warps (3 waves of 396) ran M = 1 in 34.7
+/// against 37.3 µs and M = 16 in 40.3 against 46.3 (README, "Tiled GEMV warps a block").
+fn tiled_warps(
+    sms: usize,
+    tiles: usize,
+    groups: usize,
+    blocks_per_sm: impl Fn(usize) -> usize,
+) -> usize {
     static KNOB: OnceLock<Option<usize>> = OnceLock::new();
     let knob = *KNOB.get_or_init(|| {
         std::env::var("FORGE_TILED_WARPS")
@@ -1249,14 +1262,42 @@ fn tiled_warps(sms: usize, tiles: usize, groups: usize) -> usize {
             .and_then(|v| v.parse().ok())
     });
     if let Some(w) = knob {
-        return w.clamp(4, 16);
+        return w.clamp(4, TILED_MAX_WARPS);
     }
-    // The most warps a tile (whole groups each) that keep the grid within ~16 warps a SM.
-    let mut w = 16;
-    while w > 4 && (tiles * w > sms * 16 || groups < w) {
-        w /= 2;
-    }
-    w
+    let cost = |w: usize| {
+        let slots = sms.max(1) * blocks_per_sm(w).max(1);
+        tiles.div_ceil(slots) * (TILED_WAVE_GROUPS + groups.div_ceil(w))
+    };
+    (4..=TILED_MAX_WARPS)
+        .rev()
+        .min_by_key(|&w| cost(w))
+        .unwrap_or(4)
+}
+
+/// gemm.cu `TILED_MAX_WARPS`.
+const TILED_MAX_WARPS: usize = 16;
+/// A wave's fixed cost in the time of one group a warp, fitted to H100 timings of the three
+/// bench shapes at every warp count 4..16 (it orders them as measured for any value 1..8).
+const TILED_WAVE_GROUPS: usize = 4;
+
+/// The tiled GEMV's kernel and warps a block for a shape, cached per (device, kernel, N, K, G).
+fn tiled_plan(
+    dev: &Device,
+    name: &'static str,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> Result<(usize, Func)> {
+    static PLANS: PlanCache<(usize, &'static str, usize, usize, usize), usize> = OnceLock::new();
+    let (warps, f, _) = cached_plan(&PLANS, (dev.ordinal, name, n, k, group_size), || {
+        let f = dev.function(name)?;
+        let sms = dev.sm_count.max(1) as usize;
+        let warps = tiled_warps(sms, n / TILE_N, k / group_size, |w| {
+            dev.occupancy(f, (32 * w) as u32, 0)
+        });
+        Ok((warps, f, None))
+    })?;
+    Ok((warps, f))
 }
 
 /// `y[M, N] = x[M, K] · dequant(W)ᵀ` for `M <= 16` from the tile layout (see [`TiledGemv`]):
@@ -1269,14 +1310,13 @@ fn tiled_warps(sms: usize, tiles: usize, groups: usize) -> usize {
 pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
     a.validate()?;
     let dev = dev_of(s)?;
-    let f = dev.function(match (a.act == DType::F16, a.m > 8) {
+    let name = match (a.act == DType::F16, a.m > 8) {
         (true, false) => "w4a16_gemv_tiled_f16",
         (false, false) => "w4a16_gemv_tiled_bf16",
         (true, true) => "w4a16_gemv_tiled16_f16",
         (false, true) => "w4a16_gemv_tiled16_bf16",
-    })?;
-    let tiles = a.n / TILE_N;
-    let warps = tiled_warps(dev.sm_count.max(1) as usize, tiles, a.k / a.group_size);
+    };
+    let (warps, f) = tiled_plan(dev, name, a.n, a.k, a.group_size)?;
     let (mut px, mut pq, mut pz, mut ps, mut py) = (a.x, a.qweight_tiled, a.qzeros, a.scales, a.y);
     let (mut mm, mut nn, mut kk, mut g) = (
         a.m as i32,
@@ -2137,6 +2177,29 @@ pub fn compile_all(device_ordinal: usize) -> Result<()> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tiled_warps_fill_whole_waves() {
+        if std::env::var_os("FORGE_TILED_WARPS").is_some() {
+            return; // the knob overrides the model
+        }
+        // An H100 (132 SMs) and the tiled kernels' 118 registers: 17 warps an SM.
+        let pick = |tiles: usize, groups: usize| tiled_warps(132, tiles, groups, |w| 17 / w);
+        // 7168x18432 (1152 tiles of 56 groups of 128): 5 warps, 3 waves of 396 blocks, not 4
+        // warps' 2.2 waves of 528 (measured 34.7 against 37.3 µs at M = 1).
+        assert_eq!(pick(1152, 56), 5);
+        // 7168x2048: 128 tiles, one wave at any count: the most warps.
+        assert_eq!(pick(128, 56), 16);
+        // 2048x7168 (448 tiles of 16 groups) and 16384x7168 (448 of 128): one wave of 4-warp blocks.
+        assert_eq!(pick(448, 16), 4);
+        assert_eq!(pick(448, 128), 4);
+        // 4096x4096: 256 tiles fit 2 blocks of 8 warps an SM in one wave.
+        assert_eq!(pick(256, 32), 8);
+        // Fewer groups than warps: no more warps than groups pay.
+        assert!(pick(8, 2) >= 4);
+        // An SM that holds one block whatever its size: the most warps, fewest groups each.
+        assert_eq!(tiled_warps(132, 132, 64, |_| 1), 16);
+    }
 
     #[test]
     fn range_grid_kernel_choice() {
