@@ -1276,8 +1276,9 @@ fn tiled_warps(
 
 /// gemm.cu `TILED_MAX_WARPS`.
 const TILED_MAX_WARPS: usize = 16;
-/// A wave's fixed cost in the time of one group a warp, fitted to H100 timings of the three
-/// bench shapes at every warp count 4..16 (it orders them as measured for any value 1..8).
+/// A wave's fixed cost in the time of one group a warp, from H100 timings of the three bench
+/// shapes at warp counts 4, 5, 6, 7, 8, 12 and 16: any value from 1 to 8 picks each shape's
+/// fastest count.
 const TILED_WAVE_GROUPS: usize = 4;
 
 /// The tiled GEMV's kernel and warps a block for a shape, cached per (device, kernel, N, K, G).
