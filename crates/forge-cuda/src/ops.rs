@@ -2198,6 +2198,10 @@ mod tests {
         assert_eq!(pick(256, 32), 8);
         // Fewer groups than warps: no more warps than groups pay.
         assert!(pick(8, 2) >= 4);
+        // The 80-register M <= 8 kernel (25 warps an SM): 2048x7168 in one wave of 6-warp
+        // blocks (4 an SM, 3 groups a warp) rather than 4-warp ones (6 an SM, 4 groups a warp).
+        assert_eq!(tiled_warps(132, 448, 16, |w| 25 / w), 6);
+        assert_eq!(tiled_warps(132, 1152, 56, |w| 25 / w), 5);
         // An SM that holds one block whatever its size: the most warps, fewest groups each.
         assert_eq!(tiled_warps(132, 132, 64, |_| 1), 16);
     }
