@@ -151,7 +151,12 @@ def awq_maker(qw, qz, sc, tiled: bool = False):
             return lambda x: runtime.awq_linear(x, *c, G, cache=cache)
         return lambda x: forge.awq_matmul(x, *c, G)
 
-    return make, qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2
+    return make, awq_nbytes(qw, qz, sc)
+
+
+def awq_nbytes(qw, qz, sc) -> int:
+    """Bytes of the AWQ tensors a W4A16 call reads (its weights' share of the bandwidth)."""
+    return sum(t.numel() * t.element_size() for t in (qw, qz, sc))
 
 
 def cold_and_chain_times(make, nbytes: int, x) -> tuple[float, float]:
@@ -176,7 +181,7 @@ def bench_gemm(rows, bw):
     for k, n in SHAPES:
         w, _, (qw, qz, sc) = awq_weights(k, n)
         w_int4, sz = tinygemm_weights(qw, qz, sc)  # tinygemm wants its own packing
-        limit = (qw.numel() * 4 + qz.numel() * 4 + sc.numel() * 2) / bw
+        limit = awq_nbytes(qw, qz, sc) / bw
         deq_t = forge.dequantize_awq(qw, qz, sc, G).t()  # once a shape, not once an M
         for m in (1, 4, 8, 16, 64, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
