@@ -1216,6 +1216,13 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     st.sc = sc + (i64)gbeg * N + 16 * t + g;
     st.nib = awq_nibble(g);
     st.left = gend - gbeg;
+    // Every group's zero points and scales on their way to L2 at once: the ring below fetches
+    // them one group ahead, a DRAM trip a group when the weights are cold (README, "Metadata
+    // prefetch").
+    for (int i = lane; i < st.left; i += 32) {
+        prefetch_l2(st.qz + (i64)i * st.NW);
+        prefetch_l2(st.sc + (i64)i * N);
+    }
     st.load_meta();
 
     uint4 wr[RW], xa[RX][NT], xb[RX][NT];
