@@ -14,6 +14,7 @@ gather + that ``mm`` over experts for the per-expert Hessians. DeepSeek-V3 shape
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -127,7 +128,7 @@ def bf16_maker(w):
         wc = w.clone()
         return lambda x: x @ wc.t()
 
-    return make, w.numel() * w.element_size()
+    return make, tensor_bytes(w)
 
 
 def tinygemm_maker(tiny):
@@ -137,7 +138,7 @@ def tinygemm_maker(tiny):
         wc, szc = tiny[0].clone(), tiny[1].clone()
         return lambda x: torch.ops.aten._weight_int4pack_mm(x, wc, G, szc)
 
-    return make, tiny[0].numel() * tiny[0].element_size() + tiny[1].numel() * tiny[1].element_size()
+    return make, tensor_bytes(*tiny)
 
 
 def awq_maker(qw, qz, sc, tiled: bool = False):
@@ -151,12 +152,12 @@ def awq_maker(qw, qz, sc, tiled: bool = False):
             return lambda x: runtime.awq_linear(x, *c, G, cache=cache)
         return lambda x: forge.awq_matmul(x, *c, G)
 
-    return make, awq_nbytes(qw, qz, sc)
+    return make, tensor_bytes(qw, qz, sc)
 
 
-def awq_nbytes(qw, qz, sc) -> int:
-    """Bytes of the AWQ tensors a W4A16 call reads (its weights' share of the bandwidth)."""
-    return sum(t.numel() * t.element_size() for t in (qw, qz, sc))
+def tensor_bytes(*tensors) -> int:
+    """Bytes the tensors hold (a call's weights: a copy's size, its share of the bandwidth)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def cold_and_chain_times(make, nbytes: int, x) -> tuple[float, float]:
@@ -164,24 +165,22 @@ def cold_and_chain_times(make, nbytes: int, x) -> tuple[float, float]:
     the weights cold in L2 (:func:`cold_graph_time`), and in a chain: the same with each
     call's x made by a small torch kernel just before it, as a decode step's norm or
     activation makes it (that kernel's time included; a kernel that may start before its
-    predecessor has finished cannot do so after one that does not signal early)."""
-
-    def cold(i):
-        f = make(i)
-        return lambda: f(x)
+    predecessor has finished cannot do so after one that does not signal early). Both timings
+    call the same copies, made (and, for the tiled GEMV, repacked) once."""
+    copy = functools.cache(make)
 
     def chain(i):
-        f = make(i)
+        f = copy(i)
         return lambda: f(x.mul(1.0))
 
-    return cold_graph_time(cold, nbytes), cold_graph_time(chain, nbytes)
+    return cold_graph_time(lambda i: functools.partial(copy(i), x), nbytes), cold_graph_time(chain, nbytes)
 
 
 def bench_gemm(rows, bw):
     for k, n in SHAPES:
         w, _, (qw, qz, sc) = awq_weights(k, n)
         w_int4, sz = tinygemm_weights(qw, qz, sc)  # tinygemm wants its own packing
-        limit = awq_nbytes(qw, qz, sc) / bw
+        limit = tensor_bytes(qw, qz, sc) / bw
         deq_t = forge.dequantize_awq(qw, qz, sc, G).t()  # once a shape, not once an M
         for m in (1, 4, 8, 16, 64, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
