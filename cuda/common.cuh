@@ -312,7 +312,6 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// One line's L2 prefetch hint by this thread.
 // 16 read-only bytes that no other warp of the SM reads (a GEMV's streamed weights): loaded
 // without allocating in L1, which keeps L1 for the data that is shared (x, metadata).
 __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
@@ -322,6 +321,7 @@ __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
         : "l"(p));
     return v;
 }
+// One line's L2 prefetch hint by this thread.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {

@@ -1100,7 +1100,8 @@ extern "C" __global__ void w4a16_tile_repack(const u32* qw, u32* out, int K, int
 // with (q − z) exact in bf16/f16 and the f16 scale exact in fp32) and the warps are summed in
 // a fixed order through shared memory: one launch, no split-K workspace, deterministic. Each
 // dequantized A fragment serves all NT token tiles.
-#define TILED_MAX_WARPS 16
+// TILED_MAX_WARPS (the most warps a block) comes from the generated header: ops.rs sizes the
+// launches by the same constant.
 
 // Per-warp state of the tiled GEMV: lane (g, tt) owns outputs 16t + g and 16t + g + 8 of
 // tile t (A rows) and token columns 8nt + 2tt, 8nt + 2tt + 1 of the accumulators; the group's

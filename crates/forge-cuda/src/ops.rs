@@ -1240,7 +1240,7 @@ impl TiledGemv {
     }
 }
 
-/// Warps per block of the tiled GEMV (gemm.cu `TILED_MAX_WARPS` is the most, and no more than
+/// Warps per block of the tiled GEMV ([`TILED_MAX_WARPS`] is the most, and no more than
 /// `groups`: a warp takes whole groups), for `tiles` blocks of `groups` K-groups each on `sms`
 /// SMs, `blocks_per_sm(w)` of `w` warps resident at once. A block's warps take
 /// `ceil(groups / w)` groups each (the busiest warp sets the block's time) and the blocks run
@@ -1266,8 +1266,9 @@ fn tiled_warps(
         .unwrap_or(4)
 }
 
-/// gemm.cu `TILED_MAX_WARPS`.
-const TILED_MAX_WARPS: usize = 16;
+/// The most warps a tiled-GEMV block has: its `__launch_bounds__` and the size of its
+/// reduction in shared memory, emitted into the kernels' generated header.
+pub(crate) const TILED_MAX_WARPS: usize = 16;
 /// A wave's fixed cost in the time of one group a warp, from H100 timings of the three bench
 /// shapes at warp counts 4, 5, 6, 7, 8, 12 and 16: any value from 1 to 8 picks each shape's
 /// fastest count.
