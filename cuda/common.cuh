@@ -321,6 +321,18 @@ __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
         : "l"(p));
     return v;
 }
+// 4 and 8 bytes of streamed weights, the same way (the SIMT GEMVs: a warp reads a row's
+// 128 or 256 contiguous bytes once).
+__device__ __forceinline__ u32 ld_stream4(const u32* p) {
+    u32 v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 ld_stream8(const uint2* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
 // One line's L2 prefetch hint by this thread.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
