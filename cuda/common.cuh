@@ -312,25 +312,24 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// 16 read-only bytes that no other warp of the SM reads (a GEMV's streamed weights): loaded
-// without allocating in L1, which keeps L1 for the data that is shared (x, metadata).
-__device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-// 4 and 8 bytes of streamed weights, the same way (the SIMT GEMVs: a warp reads a row's
-// 128 or 256 contiguous bytes once).
-__device__ __forceinline__ u32 ld_stream4(const u32* p) {
+// Streamed weights (read once, by one warp: a GEMV's): 4, 8 or 16 read-only bytes loaded
+// without allocating in L1, which keeps L1 for the data the co-resident blocks share (x,
+// metadata).
+__device__ __forceinline__ u32 ld_stream(const u32* p) {
     u32 v;
     asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
-__device__ __forceinline__ uint2 ld_stream8(const uint2* p) {
+__device__ __forceinline__ uint2 ld_stream(const uint2* p) {
     uint2 v;
     asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
     return v;
 }
 // One line's L2 prefetch hint by this thread.

@@ -793,11 +793,11 @@ __device__ __forceinline__ void gemv3_core(const Gv3Rows<MR>& rows, int m, bool 
 #pragma unroll
             for (int rr = 0; rr < 8; rr++) {
                 if (WPL == 2) {
-                    const uint2 v = ld_stream8((const uint2*)(p + rr * NW64));
+                    const uint2 v = ld_stream((const uint2*)(p + rr * NW64));
                     w[rr][0] = v.x;
                     w[rr][WPL - 1] = v.y;
                 } else {
-                    w[rr][0] = ld_stream4(p + rr * NW64);
+                    w[rr][0] = ld_stream(p + rr * NW64);
                 }
             }
             float xv[R][8];
@@ -1242,7 +1242,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     };
 #pragma unroll
     for (int s = 0; s < RW; s++)
-        if (s < n) wr[s] = ld_stream16(wp + 32 * s);
+        if (s < n) wr[s] = ld_stream(wp + 32 * s);
 #pragma unroll
     for (int s = 0; s < RX; s++)
         if (s < n) fetch_x(s, s);
@@ -1253,7 +1253,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 #pragma unroll
         for (int s = 0; s < RW; s++) {
             st.chunk(wr[s], xa[s % RX], xb[s % RX]);
-            wr[s] = ld_stream16(wp + 32 * (c + RW + s));
+            wr[s] = ld_stream(wp + 32 * (c + RW + s));
             fetch_x(s % RX, c + RX + s);
             if (++in_grp == gch) {  // warp-uniform
                 in_grp = 0;
@@ -1267,7 +1267,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
         for (int s = 0; s < RW; s++) {
             if (c + s < n) {  // warp-uniform: the MMAs run convergently
                 st.chunk(wr[s], xa[s % RX], xb[s % RX]);
-                if (c + RW + s < n) wr[s] = ld_stream16(wp + 32 * (c + RW + s));
+                if (c + RW + s < n) wr[s] = ld_stream(wp + 32 * (c + RW + s));
                 if (c + RX + s < n) fetch_x(s % RX, c + RX + s);
                 if (++in_grp == gch) {
                     in_grp = 0;
