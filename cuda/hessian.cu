@@ -405,11 +405,17 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
         // same every stage. Its rows' indices are read two stages ahead and kept raw until
         // their stage is issued: scaling an index by D right after its load would stall the
         // producer on that load every stage (long scoreboard), which made routed rows ~1.5×
-        // slower than contiguous ones (ncu, one expert of 27404 rows: 4.31 vs 2.84 ms).
+        // slower than contiguous ones (ncu, one expert of 27404 rows: 4.31 vs 2.84 ms). A stage
+        // whose copies are all in range (every stage but a segment's last, in a tile inside H)
+        // takes a path of ~84 instructions instead of ~270: this producer's issue rate, not L2,
+        // held the tensor pipe at 67 % (ncu: consumers waiting on full stages for 55 % of
+        // their stall samples); with the short path it is at 80 %.
         const int p = tid - 256, lk = p >> 3, lq = p & 7;
         const u32 o = (lk * 64 + ((lq ^ lk) & 7) * 8) * 2;
         // Segment position of this thread's row q of stage `step`, and the rows' indices in x.
         auto pos = [&](int step, int q) { return r0 + step * HW_K + lk + 16 * q; };
+        // Both operands' features inside H (the general path zero-fills past D).
+        const bool whole = i0 + HW_TI <= D && j0 + HW_TJ <= D;
         auto rows_at = [&](int step, int (&r)[HW_K / 16]) {
             if (idx) {
 #pragma unroll
@@ -423,10 +429,30 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
         auto issue = [&](int step, const int (&r)[HW_K / 16]) {
             const int s = step % HW_ST;
             if (step >= HW_ST) mbar_wait(bar + 8 * (HW_ST + s), (step / HW_ST - 1) & 1);
+            const u32 st = sbase + s * HW_STAGE * 2 + o;
+            if (whole && pos(step, HW_K / 16 - 1) < r1) {
+                // Every copy of the stage is in range: one pointer a row and operand, the
+                // halves at constant offsets folded into the copies' addresses.
+#pragma unroll
+                for (int q = 0; q < HW_K / 16; q++) {
+                    const u16* xr = x + (i64)r[q] * D + 8 * lq;
+                    const u16* xa = xr + i0;
+                    const u16* xb = xr + j0;
+                    const u32 sq = st + q * 16 * 128;
+                    if (!a_in_b) {
+#pragma unroll
+                        for (int h = 0; h < HW_TI / 64; h++) cp_async16_whole(sq + h * HW_HALF * 2, xa + 64 * h);
+                    }
+#pragma unroll
+                    for (int h = 0; h < HW_TJ / 64; h++)
+                        cp_async16_whole(sq + (HW_TI / 64 + h) * HW_HALF * 2, xb + 64 * h);
+                }
+                cp_async_mbar_arrive(bar + 8 * s);
+                return;
+            }
             i64 xo[HW_K / 16];
 #pragma unroll
             for (int q = 0; q < HW_K / 16; q++) xo[q] = pos(step, q) < r1 ? (i64)r[q] * D : -1;
-            const u32 st = sbase + s * HW_STAGE * 2 + o;
 #pragma unroll
             for (int q = 0; q < HW_K / 16; q++) {
                 const u16* xr = x + (xo[q] < 0 ? 0 : xo[q]);
