@@ -346,11 +346,6 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async16_s(u32 saddr, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
 }
-// 16 whole bytes (no zero-fill operand: a constant offset from a base pointer folds into the
-// instruction's address).
-__device__ __forceinline__ void cp_async16_whole(u32 saddr, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(gmem));
-}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
     cp_async16_s(smem_u32(smem), gmem, src_bytes);
 }

@@ -432,7 +432,9 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
             const u32 st = sbase + s * HW_STAGE * 2 + o;
             if (whole && pos(step, HW_K / 16 - 1) < r1) {
                 // Every copy of the stage is in range: one pointer a row and operand, the
-                // halves at constant offsets folded into the copies' addresses.
+                // halves at constant offsets that ptxas folds into the copies' addresses (one
+                // loop shared with the general path, an address expression a copy, lost that:
+                // 4818 instructions against 4628, no folded offsets).
 #pragma unroll
                 for (int q = 0; q < HW_K / 16; q++) {
                     const u16* xr = x + (i64)r[q] * D + 8 * lq;
@@ -441,11 +443,11 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
                     const u32 sq = st + q * 16 * 128;
                     if (!a_in_b) {
 #pragma unroll
-                        for (int h = 0; h < HW_TI / 64; h++) cp_async16_whole(sq + h * HW_HALF * 2, xa + 64 * h);
+                        for (int h = 0; h < HW_TI / 64; h++) cp_async16_s(sq + h * HW_HALF * 2, xa + 64 * h, 16);
                     }
 #pragma unroll
                     for (int h = 0; h < HW_TJ / 64; h++)
-                        cp_async16_whole(sq + (HW_TI / 64 + h) * HW_HALF * 2, xb + 64 * h);
+                        cp_async16_s(sq + (HW_TI / 64 + h) * HW_HALF * 2, xb + 64 * h, 16);
                 }
                 cp_async_mbar_arrive(bar + 8 * s);
                 return;
