@@ -143,7 +143,7 @@ pub fn dynamic_smem_limit(name: &str) -> Option<usize> {
     } else if name.starts_with("hessian_wg") {
         Some(crate::ops::HESSIAN_WG_SMEM as usize)
     } else if name.starts_with("w4a16_wg") {
-        Some(crate::ops::W4A16_WG_SMEM as usize)
+        Some(crate::ops::W4A16_WG_SMEM_ALONE as usize)
     } else {
         None
     }

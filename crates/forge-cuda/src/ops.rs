@@ -733,6 +733,11 @@ const WG_MAX_SPLITS: usize = 8;
 /// a 1024-byte boundary (where the 128-byte swizzle repeats). The epilogue's 128 × 132 fp32
 /// tile reuses the first 67.6 KB.
 pub(crate) const W4A16_WG_SMEM: u32 = 1024 + 4 * (128 * 64 * 2 + 64 * 20 * 4 + 80 * 4);
+/// The same kernel's dynamic shared memory when its grid fits on the SMs at one block each:
+/// more than half an SM's 228 KB, so that no SM takes two blocks while others idle. On an
+/// H100, 2048×7168 at M = 256 (112 blocks) took 32 µs two blocks an SM and 20.5 alone
+/// (README, "What bounds the M = 128 kernel, and one block an SM").
+pub(crate) const W4A16_WG_SMEM_ALONE: u32 = 116 * 1024;
 
 /// K splits of the wgmma kernel for `base` blocks per split on `sms` SMs, `stages` 64-deep
 /// stages and `outputs` = M·N: the split count with the least estimated time. Measured on an
@@ -789,13 +794,19 @@ fn gemm_plan(
             .unwrap_or_else(|| wg_splits(nblocks * mblocks, wg_sms, stages, m * n))
             .min(stages.max(1));
         let per = stages.div_ceil(splits).max(1);
+        let splits = stages.div_ceil(per);
+        let alone = nblocks * mblocks * splits <= wg_sms;
         return GemmPlan {
             kernel: GemmKernel::Wgmma,
             nblocks,
             mblocks,
-            splits: stages.div_ceil(per),
+            splits,
             k_chunk: per * WG_BK,
-            smem: W4A16_WG_SMEM as usize,
+            smem: if alone {
+                W4A16_WG_SMEM_ALONE
+            } else {
+                W4A16_WG_SMEM
+            } as usize,
             threads: WG_THREADS,
             block_n: WG_BN,
         };
@@ -2761,6 +2772,15 @@ mod tests {
         assert_eq!(splits(128, 2048, 7168), 8);
         assert_eq!(splits(128, 7168, 2048), 2);
         assert_eq!(splits(1024, 18432, 7168), 1);
+        // A grid that fits the SMs at one block each asks for more than half an SM's shared
+        // memory (228 KB on sm_90), so each block has an SM of its own; larger grids keep two
+        // blocks an SM.
+        let smem = |m, n, k| gemm_plan(132 * 4, m, n, k, true, Some(132)).smem;
+        assert_eq!(smem(256, 7168, 2048), W4A16_WG_SMEM_ALONE as usize); // 112 blocks
+        assert_eq!(smem(128, 18432, 7168), W4A16_WG_SMEM as usize); // 144 blocks, split
+        assert_eq!(smem(1024, 7168, 2048), W4A16_WG_SMEM as usize); // 448 blocks
+        let per_sm = |smem: u32| (228 * 1024) / (smem as usize + 1024);
+        assert_eq!((per_sm(W4A16_WG_SMEM_ALONE), per_sm(W4A16_WG_SMEM)), (1, 2));
         // Small M keeps the GEMV; shapes the kernel cannot take keep the tiled kernel.
         assert_ne!(
             gemm_plan(132 * 4, 16, 2048, 7168, true, Some(132)).kernel,
