@@ -369,12 +369,13 @@ class _Grid:
 
 def _decode(qmeta: torch.Tensor, g: int, k: int, device) -> _Grid:
     """The grid ``(..., N, K/G, 4)`` decoded on ``device`` (one host round trip for a whole
-    batch of grids)."""
+    batch of grids: the codes decoded on the host, the grid's elementwise arithmetic on
+    ``device``, where a batch of 10 DeepSeek experts' 2.3M groups took tens of ms on the host)."""
     from .quant import decode_qmeta
 
-    scale, zero, sym = decode_qmeta(qmeta.cpu())
+    scale, zero, sym = (t.to(device) for t in decode_qmeta(qmeta.cpu()))
     z = torch.where(sym, torch.full_like(zero, 8), zero).float()
-    return _Grid(z.to(device), scale.half().float().to(device), (1.0 / scale).to(device), g, k)
+    return _Grid(z, scale.half().float(), 1.0 / scale, g, k)
 
 
 def _dequant(codes: torch.Tensor, grid: _Grid) -> torch.Tensor:
