@@ -373,7 +373,7 @@ def _decode(qmeta: torch.Tensor, g: int, k: int, device) -> _Grid:
     ``device``, where a batch of 10 DeepSeek experts' 2.3M groups took tens of ms on the host)."""
     from .quant import decode_qmeta
 
-    scale, zero, sym = (t.to(device) for t in decode_qmeta(qmeta.cpu()))
+    scale, zero, sym = (t.to(device) for t in decode_qmeta(qmeta))
     z = torch.where(sym, torch.full_like(zero, 8), zero).float()
     return _Grid(z, scale.half().float(), 1.0 / scale, g, k)
 

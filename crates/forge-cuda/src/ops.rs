@@ -733,11 +733,14 @@ const WG_MAX_SPLITS: usize = 8;
 /// a 1024-byte boundary (where the 128-byte swizzle repeats). The epilogue's 128 × 132 fp32
 /// tile reuses the first 67.6 KB.
 pub(crate) const W4A16_WG_SMEM: u32 = 1024 + 4 * (128 * 64 * 2 + 64 * 20 * 4 + 80 * 4);
+/// Shared memory of an sm_90 SM (H100, H200), of which each resident block also takes 1 KB.
+const SM90_SMEM_PER_SM: u32 = 228 * 1024;
 /// The same kernel's dynamic shared memory when its grid fits on the SMs at one block each:
-/// more than half an SM's 228 KB, so that no SM takes two blocks while others idle. On an
-/// H100, 2048×7168 at M = 256 (112 blocks) took 32 µs two blocks an SM and 20.5 alone
-/// (README, "What bounds the M = 128 kernel, and one block an SM").
-pub(crate) const W4A16_WG_SMEM_ALONE: u32 = 116 * 1024;
+/// half an SM's, which with the block's reserved 1 KB leaves no room for a second block, so
+/// that no SM takes two blocks while others idle. On an H100, 2048×7168 at M = 256 (112
+/// blocks) took 32 µs two blocks an SM and 20.5 alone (README, "What bounds the M = 128
+/// kernel, and one block an SM").
+pub(crate) const W4A16_WG_SMEM_ALONE: u32 = SM90_SMEM_PER_SM / 2;
 
 /// K splits of the wgmma kernel for `base` blocks per split on `sms` SMs, `stages` 64-deep
 /// stages and `outputs` = M·N: the split count with the least estimated time. Measured on an
