@@ -22,7 +22,8 @@ L2 called in turn), ``chain_us`` (as cold, but each call's x made by a small tor
 before it, as a decode step's previous op makes it: that kernel's time is included, for the
 peers alike, and a GEMV cannot start before it the way it can overlap another GEMV), the worst error over its tolerance against the float64 product of the
 dequantized weights (``err_tol`` < 1 passes) and ``ysum`` (the output's sum: equal between
-variants that sum in the same order). Times are the lower of ``--reps`` measurements.
+variants that sum in the same order), and ``workspace_bytes`` (the plan's split-K workspace: 0 when
+K is not split or is split within a thread block cluster). Times are the lower of ``--reps`` measurements.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool
             "m": m,
             "err_tol": float(((y.double() - ref).abs() / tol).max()),
             "ysum": float(y.double().sum()),
+            # the plan's split-K workspace (0: K not split, or split within a cluster)
+            "workspace_bytes": forge._native.w4a16_workspace_bytes(x.device.index or 0, m, n, k, G),
         }
 
         contestants = {"": awq_maker(qw, qz, sc, tiled)}

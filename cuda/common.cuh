@@ -409,6 +409,36 @@ __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// Thread block clusters (a launch with a cluster dimension, ops.rs): every thread of every
+// block of the cluster arrives, and waits for all the others; the release / acquire pair makes
+// each block's earlier shared-memory writes visible to the other blocks' reads after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// cluster_sync without ordering this thread's memory accesses (no release: its global stores
+// are not waited for), for a block that must not exit before the rest of its cluster has read
+// its shared memory: a thread's loads have returned once it has used their values.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+// This block's rank in its cluster.
+__device__ __forceinline__ u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// 16 bytes at shared offset `addr` (this block's layout) of cluster block `rank`'s shared
+// memory (distributed shared memory; the block may be this one).
+__device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(addr), "r"(rank));
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(a)
+                 : "memory");
+    return v;
+}
 // Bulk copy (TMA, no tensor map) of `bytes` (a multiple of 16; both addresses 16-byte aligned)
 // global -> shared, completing as transactions on mbarrier `bar`.
 __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {

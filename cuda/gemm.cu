@@ -249,6 +249,9 @@ FORGE_GEMM_ENTRY(bf16, 4, true)
 #define WG_MWORDS 80                    // one stage's group metadata: 16 zero words, 128 f16 scales
 #define WG_EPI_STR 132                  // floats per row of the epilogue's [128 tokens][128 n] tile
 #define WG_THREADS 256                  // two warpgroups: tile j of the two m64 tiles is warpgroup j's
+// `split_out` (WG_OUT_* from the generated header, ops.rs): the outputs in y (K not split), this
+// split's fp32 partials in the workspace (summed by w4a16_reduce_*), or the splits of a cluster
+// summed through distributed shared memory into y.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // d += A·B with A (the dequantized weights) from registers a[0..4), B (x) from shared memory
 // (descriptor db), K-major.
@@ -437,18 +440,51 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
             S[(8 * q + 2 * t + (c & 1)) * WG_EPI_STR + nl] = acc[4 * q + c];
         }
     __syncthreads();
+    auto store_y = [&](int r, int c4, float4 v) {
+        u16* y = (u16*)out + (i64)(m0 + r) * N + 8 * wc0 + c4;  // y is only 2-byte aligned
+        const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) y[e] = BF ? f32_to_bf16_rn(f[e]) : f32_to_f16_rn(f[e]);
+    };
+    if (split_out == WG_OUT_CLUSTER) {
+        // K split over the blocks of one cluster (ops.rs launches cluster dims (1, 1, gridDim.z)):
+        // each block's fp32 tile stays in its shared memory, and block r sums token rows r,
+        // r + splits, ... of all the tiles in split order (as w4a16_reduce does from the
+        // workspace) through distributed shared memory: no partials in global memory, no second
+        // kernel.
+        cluster_sync();
+        const int splits = gridDim.z, rows = min(WG_T, M - m0);
+        const u32 rank = cluster_ctarank(), s_base = smem_u32(S);
+        for (int i = tid;; i += WG_THREADS) {
+            const int r = (int)rank + splits * (i >> 5), c4 = 4 * (i & 31);
+            if (r >= rows) break;
+            const u32 a = s_base + 4 * (r * WG_EPI_STR + c4);
+            float4 v[WG_MAX_SPLITS];
+#pragma unroll
+            for (int z = 0; z < WG_MAX_SPLITS; z++)
+                if (z < splits) v[z] = ld_cluster_f4(a, z);
+            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int z = 0; z < WG_MAX_SPLITS; z++)
+                if (z < splits) {
+                    sum.x = sum.x + v[z].x;
+                    sum.y = sum.y + v[z].y;
+                    sum.z = sum.z + v[z].z;
+                    sum.w = sum.w + v[z].w;
+                }
+            store_y(r, c4, sum);
+        }
+        cluster_sync_relaxed();  // the other blocks read this block's tile until here
+        return;
+    }
     for (int i = tid; i < WG_T * 32; i += WG_THREADS) {
         const int r = i >> 5, c4 = 4 * (i & 31);
         if (m0 + r >= M) break;
         const float4 v = *(const float4*)&S[r * WG_EPI_STR + c4];
-        const i64 o = (i64)(m0 + r) * N + 8 * wc0 + c4;
-        if (split_out) {
-            *(float4*)((float*)out + (i64)blockIdx.z * M * N + o) = v;
+        if (split_out == WG_OUT_PARTIALS) {
+            *(float4*)((float*)out + (i64)blockIdx.z * M * N + (i64)(m0 + r) * N + 8 * wc0 + c4) = v;
         } else {
-            u16* y = (u16*)out + o;  // y is only 2-byte aligned
-            const float f[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 4; e++) y[e] = BF ? f32_to_bf16_rn(f[e]) : f32_to_f16_rn(f[e]);
+            store_y(r, c4, v);
         }
     }
 #endif

@@ -205,6 +205,53 @@ def test_awq_matmul_small_m_forced_gemvs():
     assert [h for _, h in runs["1"]] != [h for _, h in runs["3"]], "FORGE_GEMV did not change the kernel"
 
 
+# (m, k, n, group) the Hopper wgmma GEMM splits along K: the DeepSeek expert shapes at M = 64
+# / 128, three M blocks with a partial last one, and a group size of 64.
+WG_SPLIT_CASES = [(128, 2048, 7168, 128), (64, 7168, 2048, 128), (300, 1024, 512, 64), (130, 4096, 1024, 128)]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the wgmma GEMM runs on sm_90 only",
+)
+@pytest.mark.parametrize("splits", ["", "3", "8"])
+def test_awq_matmul_cluster_sum_equals_workspace_sum(splits):
+    """The wgmma GEMM sums its K splits either in a thread block cluster (the blocks of one
+    output tile add each other's fp32 tiles from shared memory, in split order) or through
+    the fp32 workspace and the reduction kernel: the outputs must be bit-identical, and
+    within the reference tolerance. Each reduction forced through `FORGE_GEMM_WG_CLUSTER`
+    (read once per process) in a child process, at the planned split count and at 3 and 8
+    (`FORGE_GEMM_WG_SPLITS`); the workspace each plan asks for (none for clusters) shows the
+    knob reached the dispatch."""
+    script = (
+        f"import hashlib, json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        "import torch\n"
+        "from forge import _native\n"
+        "from test_cuda import WG_SPLIT_CASES, awq_matmul_rel_err\n"
+        "out = []\n"
+        "for c in WG_SPLIT_CASES:\n"
+        "    for a in (torch.float16, torch.bfloat16):\n"
+        "        y, e = awq_matmul_rel_err(a, *c, c[0] + c[1], 'range')\n"
+        "        ws = _native.w4a16_workspace_bytes(0, c[0], c[2], c[1], c[3])\n"
+        "        out.append((e, ws, hashlib.sha256(y.cpu().view(torch.int16).numpy().tobytes()).hexdigest()))\n"
+        "print(json.dumps(out))"
+    )
+    runs = {}
+    for cluster in ("0", "1"):
+        env = {**os.environ, "FORGE_GEMM_WG_CLUSTER": cluster, "FORGE_GEMM_WG_SPLITS": splits}
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[cluster] = json.loads(r.stdout.strip().splitlines()[-1])
+        assert len(runs[cluster]) == 2 * len(WG_SPLIT_CASES)
+        for i, (e, _, _) in enumerate(runs[cluster]):
+            act = torch.float16 if i % 2 == 0 else torch.bfloat16
+            assert e < awq_matmul_tol(act), (cluster, WG_SPLIT_CASES[i // 2], act, e)
+    # Every case splits K (a workspace without clusters), none needs one with them.
+    assert all(ws > 0 for _, ws, _ in runs["0"]), runs["0"]
+    assert all(ws == 0 for _, ws, _ in runs["1"]), runs["1"]
+    assert [h for _, _, h in runs["0"]] == [h for _, _, h in runs["1"]]
+
+
 @pytest.mark.parametrize("k,n", [(64, 16), (512, 256), (7168, 2048), (2048, 7168)])
 def test_tile_awq_bit_exact(k, n):
     """The CUDA tile repack against the CPU one (itself checked against the layout's

@@ -18,7 +18,7 @@
 //! written concurrently by other work. Output buffers must not alias inputs unless stated.
 
 use crate::error::{CudaError, DrvExt, Result};
-use crate::runtime::{device, launch, launch_programmatic, Device, Func};
+use crate::runtime::{device, launch, launch_clustered, launch_programmatic, Device, Func};
 use cudarc::driver::{result as dr, sys};
 use forge_core::grid::{GridSpec, MseSpec};
 use std::collections::HashMap;
@@ -597,14 +597,16 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 
 /// Tuning knobs from the environment, read once per process (never per launch):
 /// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0|1` (the Hopper wgmma kernel
-/// off, or on for every M > 4 whose shape it takes) and `FORGE_GEMM_WG_SPLITS=1..8` (its K
-/// splits).
+/// off, or on for every M > 4 whose shape it takes), `FORGE_GEMM_WG_SPLITS=1..8` (its K
+/// splits) and `FORGE_GEMM_WG_CLUSTER=0|1` (its splits summed through a split-K workspace and
+/// a second kernel, or in a thread block cluster whenever the device can launch one).
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
     gemm_mt: Option<usize>,
     gemm_wg: Option<usize>,
     gemm_wg_splits: Option<usize>,
+    gemm_wg_cluster: Option<usize>,
 }
 
 fn knobs() -> Knobs {
@@ -621,6 +623,7 @@ fn knobs() -> Knobs {
             gemm_mt: read("FORGE_GEMM_MT", &[1, 2, 4]),
             gemm_wg: read("FORGE_GEMM_WG", &[0, 1]),
             gemm_wg_splits: read("FORGE_GEMM_WG_SPLITS", &[1, 2, 3, 4, 5, 6, 7, 8]),
+            gemm_wg_cluster: read("FORGE_GEMM_WG_CLUSTER", &[0, 1]),
         }
     })
 }
@@ -675,6 +678,9 @@ struct GemmPlan {
     mblocks: usize,
     /// K splits (blockIdx.z).
     splits: usize,
+    /// The splits are one thread block cluster (wgmma kernel): summed through distributed
+    /// shared memory, no workspace, no reduction kernel.
+    cluster: bool,
     /// K per split (multiple of 32).
     k_chunk: usize,
     /// Dynamic shared memory (GEMV and wgmma kernels).
@@ -683,6 +689,17 @@ struct GemmPlan {
     threads: usize,
     /// Outputs (columns of N) per block.
     block_n: usize,
+}
+
+impl GemmPlan {
+    /// Splits whose fp32 partials go through the workspace and the reduction kernel (1: none).
+    fn workspace_splits(&self) -> usize {
+        if self.cluster {
+            1
+        } else {
+            self.splits
+        }
+    }
 }
 
 /// Number of K splits in `lo..=hi` whose grid (`base · s` equal blocks) best fills whole
@@ -726,7 +743,13 @@ const WG_BK: usize = 64;
 /// Threads per block of the wgmma kernel: two warpgroups (cuda/gemm.cu `WG_THREADS`).
 const WG_THREADS: usize = 256;
 /// Most K splits of the wgmma kernel (bounds its fp32 workspace to 8·M·N floats).
-const WG_MAX_SPLITS: usize = 8;
+pub(crate) const WG_MAX_SPLITS: usize = 8;
+/// The wgmma kernel's `split_out` (emitted into the kernels' generated header as `WG_OUT_*`):
+/// the outputs in y (K not split), this split's fp32 partials in the split-K workspace, or the
+/// splits of a cluster summed in its shared memory and written to y.
+pub(crate) const WG_OUT_Y: i32 = 0;
+pub(crate) const WG_OUT_PARTIALS: i32 = 1;
+pub(crate) const WG_OUT_CLUSTER: i32 = 2;
 
 /// Dynamic shared memory of `w4a16_wg_<dt>`: 4 stages of a 128 × 64 x tile (16 KB), a
 /// 64 × 20-word weight tile and 80 words of group metadata, plus 1 KB to start the x tiles on
@@ -804,6 +827,7 @@ fn gemm_plan(
             nblocks,
             mblocks,
             splits,
+            cluster: false,
             k_chunk: per * WG_BK,
             smem: if alone {
                 W4A16_WG_SMEM_ALONE
@@ -824,6 +848,7 @@ fn gemm_plan(
             nblocks,
             mblocks: 1,
             splits,
+            cluster: false,
             k_chunk,
             smem: 0,
             threads: 32 * GEMV3_WARPS,
@@ -848,6 +873,7 @@ fn gemm_plan(
             nblocks,
             mblocks: 1,
             splits,
+            cluster: false,
             k_chunk,
             smem,
             threads: 128,
@@ -878,6 +904,7 @@ fn gemm_plan(
         nblocks,
         mblocks,
         splits,
+        cluster: false,
         k_chunk: per * GEMM_BK,
         smem: 0,
         threads: 128,
@@ -963,7 +990,7 @@ fn plan_for(
     static PLANS: PlanCache<(usize, DType, usize, usize, usize, usize), GemmPlan> = OnceLock::new();
     cached_plan(&PLANS, (dev.ordinal, act, m, n, k, group_size), || {
         let (plan, f) = plan_uncached(dev, act, m, n, k, group_size)?;
-        Ok((plan, f, reduce_kernel(dev, act, plan.splits)?))
+        Ok((plan, f, reduce_kernel(dev, act, plan.workspace_splits())?))
     })
 }
 
@@ -983,9 +1010,43 @@ fn plan_uncached(
     let probe = gemm_plan(sms * 4, m, n, k, gemv_ok, wg_sms);
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
     let occ = dev.occupancy(f, probe.threads as u32, probe.smem);
-    let plan = gemm_plan(sms * occ, m, n, k, gemv_ok, wg_sms);
+    let mut plan = gemm_plan(sms * occ, m, n, k, gemv_ok, wg_sms);
     let f = dev.function(gemm_kernel_name(act, &plan)?)?;
+    if plan.kernel == GemmKernel::Wgmma && plan.splits > 1 {
+        let dims = (
+            (plan.nblocks as u32, plan.mblocks as u32, plan.splits as u32),
+            (plan.threads as u32, 1, 1),
+            plan.smem as u32,
+        );
+        let clusters = dev.max_active_clusters(f, dims, plan.splits as u32);
+        let slots = sms * dev.occupancy(f, plan.threads as u32, plan.smem);
+        plan.cluster = match knobs().gemm_wg_cluster {
+            Some(0) => false,
+            Some(_) => clusters > 0,
+            None => {
+                plan.splits <= WG_MAX_CLUSTER
+                    && cluster_keeps_waves(
+                        plan.nblocks * plan.mblocks,
+                        plan.splits,
+                        clusters,
+                        slots,
+                    )
+            }
+        };
+    }
     Ok((plan, f))
+}
+
+/// Most K splits the wgmma GEMM sums in a cluster by default: clusters of 8 (7168×2048 at
+/// M = 64 / 128, 16 tiles) took 24.5–26.7 µs on an H100 against 13.2–15.1 through the
+/// workspace (README, "Split-K in a cluster").
+const WG_MAX_CLUSTER: usize = 4;
+
+/// Whether `base` clusters of `splits` blocks, of which the device holds `clusters` at once,
+/// take no more waves than the same `base · splits` blocks unclustered on `slots` block slots
+/// (clusters must fit within one GPC, which can leave SMs idle).
+fn cluster_keeps_waves(base: usize, splits: usize, clusters: usize, slots: usize) -> bool {
+    clusters > 0 && base.div_ceil(clusters) <= (base * splits).div_ceil(slots.max(1))
 }
 
 /// Bytes of fp32 workspace [`w4a16_gemm_awq`] needs for this shape on `device` (0 when it
@@ -999,7 +1060,9 @@ pub fn w4a16_workspace_bytes(
 ) -> Result<usize> {
     let dev = device(device_ordinal)?;
     split_workspace_bytes(m * n, |act| {
-        Ok(plan_for(dev, act, m, n, k, group_size)?.0.splits)
+        Ok(plan_for(dev, act, m, n, k, group_size)?
+            .0
+            .workspace_splits())
     })
 }
 
@@ -1126,13 +1189,31 @@ pub unsafe fn w4a16_gemm_awq(a: &W4a16Gemm, s: Stream) -> Result<()> {
         }
     };
     if splits == 1 {
-        let (mut out, mut split_out) = (a.y, 0i32);
+        let (mut out, mut split_out) = (a.y, WG_OUT_Y);
         return run(&mut args!(
             px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out
         ));
     }
+    if plan.cluster {
+        // The wgmma kernel's WG_OUT_CLUSTER: the splits of a tile sum their partials in their
+        // cluster's shared memory and write y themselves.
+        let (mut out, mut split_out) = (a.y, WG_OUT_CLUSTER);
+        let p = &mut args!(px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out);
+        // SAFETY: the parameter list matches w4a16_wg_<dt>, which calls pdl_wait before it
+        // touches memory and keeps each block until its cluster has read its tile.
+        return unsafe {
+            launch_clustered(
+                dev,
+                f,
+                (grid, (threads, 1, 1), smem),
+                splits as u32,
+                s.handle,
+                p,
+            )
+        };
+    }
     let mut launch_partials = |ws: u64| {
-        let (mut out, mut split_out) = (ws, 1i32);
+        let (mut out, mut split_out) = (ws, WG_OUT_PARTIALS);
         // ws holds splits·M·N floats.
         run(&mut args!(
             px, pqw, pqz, psc, out, mm, nn, kk, g, kc, split_out
@@ -2741,6 +2822,23 @@ mod tests {
                 assert_eq!(got, want, "d {d}, tiles {ti} x {tj}");
             }
         }
+    }
+
+    #[test]
+    fn clusters_only_where_they_keep_the_waves() {
+        // 56 tiles split twice (112 blocks on 132 slots): one wave either way while the device
+        // holds 56 clusters of 2, two waves if it holds only 40.
+        assert!(cluster_keeps_waves(56, 2, 66, 132));
+        assert!(cluster_keeps_waves(56, 2, 56, 132));
+        assert!(!cluster_keeps_waves(56, 2, 40, 132));
+        // 32 tiles split 4 ways with room for 30 clusters of 4: a second wave the unclustered
+        // 128 blocks would not need.
+        assert!(!cluster_keeps_waves(32, 4, 30, 132));
+        // Several waves anyway (144 tiles × 4 on 264 slots: 3 waves; 64 clusters: 3 waves).
+        assert!(cluster_keeps_waves(144, 4, 64, 264));
+        assert!(!cluster_keeps_waves(144, 4, 47, 264));
+        // A cluster the device cannot launch at all.
+        assert!(!cluster_keeps_waves(1, 2, 0, 132));
     }
 
     #[test]

@@ -222,6 +222,24 @@ impl Device {
             .unwrap_or(1)
     }
 
+    /// How many clusters of `cluster_z` blocks of `f` (grid `dims`) the device holds at once;
+    /// 0 when it cannot launch such a cluster at all (or the query fails).
+    pub(crate) fn max_active_clusters(&self, f: Func, dims: LaunchDims, cluster_z: u32) -> usize {
+        if self.cc < (9, 0) || self.bind().is_err() {
+            return 0;
+        }
+        let mut attrs = launch_attributes(false, cluster_z);
+        let config = launch_config(dims, 0, &mut attrs);
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: f is a loaded kernel of this context; config and attrs outlive the call.
+        let r = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.0, &config) };
+        if r == sys::CUresult::CUDA_SUCCESS {
+            n.max(0) as usize
+        } else {
+            0
+        }
+    }
+
     /// Compiles and loads every module (a self-test of the kernel sources).
     pub(crate) fn load_all(&self) -> Result<()> {
         for m in Module::ALL {
@@ -277,28 +295,87 @@ pub(crate) type LaunchDims = ((u32, u32, u32), (u32, u32, u32), u32);
 pub(crate) unsafe fn launch_programmatic(
     dev: &Device,
     f: Func,
+    dims: LaunchDims,
+    stream: u64,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    // SAFETY: as the caller's.
+    unsafe { launch_clustered(dev, f, dims, 1, stream, params) }
+}
+
+/// [`launch_programmatic`] with the blocks grouped along z in thread block clusters of
+/// `cluster_z` (sm_90+; 1: no clusters), which may read each other's shared memory. The grid's
+/// z must be a multiple of `cluster_z`, and the device must be able to hold such a cluster
+/// ([`Device::max_active_clusters`]).
+///
+/// # Safety
+/// As [`launch_programmatic`]; and a block whose shared memory others of its cluster read does
+/// not exit before they have (a cluster barrier).
+pub(crate) unsafe fn launch_clustered(
+    dev: &Device,
+    f: Func,
     (grid, block, smem): LaunchDims,
+    cluster_z: u32,
     stream: u64,
     params: &mut [*mut c_void],
 ) -> Result<()> {
     // FORGE_PDL=0: plain launches (for a profiler or an A/B run that wants them serialized).
     static PDL: OnceLock<bool> = OnceLock::new();
     let pdl = *PDL.get_or_init(|| std::env::var("FORGE_PDL").map_or(true, |v| v != "0"));
-    if dev.cc < (9, 0) || !pdl {
+    let pdl = pdl && dev.cc >= (9, 0);
+    if !pdl && cluster_z <= 1 {
         // SAFETY: as the caller's.
         return unsafe { launch(dev, f, grid, block, smem, stream, params) };
     }
     if !launchable(dev, grid)? {
         return Ok(());
     }
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+    let mut attrs = launch_attributes(pdl, cluster_z);
+    let config = launch_config((grid, block, smem), stream, &mut attrs);
+    // SAFETY: config and its attributes outlive the call; the parameters are upheld by the
+    // caller.
+    unsafe {
+        sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()).result()
+    }
+    .drv("cuLaunchKernelEx")
+}
+
+/// The `cuLaunchKernelEx` attributes of a launch: programmatic stream serialization when `pdl`,
+/// a cluster dimension (1, 1, `cluster_z`) when `cluster_z > 1`.
+fn launch_attributes(pdl: bool, cluster_z: u32) -> Vec<sys::CUlaunchAttribute> {
+    let attribute = |id| sys::CUlaunchAttribute {
+        id,
         pad: [0; 4],
         // SAFETY: a plain-data union, all zeros is a valid value of every member.
         value: unsafe { std::mem::zeroed() },
     };
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    let config = sys::CUlaunchConfig {
+    let mut attrs = Vec::with_capacity(2);
+    if pdl {
+        let mut a = attribute(
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        );
+        a.value.programmaticStreamSerializationAllowed = 1;
+        attrs.push(a);
+    }
+    if cluster_z > 1 {
+        let mut a = attribute(sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION);
+        a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+            x: 1,
+            y: 1,
+            z: cluster_z,
+        };
+        attrs.push(a);
+    }
+    attrs
+}
+
+/// A `cuLaunchKernelEx` configuration over `attrs` (which must outlive its use).
+fn launch_config(
+    (grid, block, smem): LaunchDims,
+    stream: u64,
+    attrs: &mut [sys::CUlaunchAttribute],
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
         gridDimX: grid.0,
         gridDimY: grid.1,
         gridDimZ: grid.2,
@@ -307,14 +384,9 @@ pub(crate) unsafe fn launch_programmatic(
         blockDimZ: block.2,
         sharedMemBytes: smem,
         hStream: stream as sys::CUstream,
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    // SAFETY: config and attr outlive the call; the parameters are upheld by the caller.
-    unsafe {
-        sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()).result()
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: attrs.len() as u32,
     }
-    .drv("cuLaunchKernelEx")
 }
 
 // ---------------------------------------------------------------------------------------
