@@ -4,7 +4,7 @@ separate processes: JSON lines on stdout, one per (shape, M), warm and with the 
 L2, optionally beside bf16 cuBLAS (and with ``--tiled`` PyTorch's int4 tinygemm) on the same
 weights.
 
-    python benches/ab_gemm.py TAG [--ms 32,64,128] [--tiled] [--peers] [--reps 2]
+    python benches/ab_gemm.py TAG [--ms 32,64,128] [--shapes 7168x2048,...] [--tiled] [--peers] [--reps 2]
 
 The variants differ by environment, read once per process: ``FORGE_CUDA_SRC=dir`` (kernel
 sources from ``dir``, e.g. the previous ``cuda/gemm.cu`` and ``common.cuh``; give each variant
@@ -107,10 +107,18 @@ def main() -> None:
         help="also time bf16 cuBLAS (with --tiled: and tinygemm) on the same weights",
     )
     ap.add_argument("--reps", type=int, default=2, help="measurements per time (the lowest is kept)")
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        help="weight shapes KxN, comma-separated (default: the bench's DeepSeek shapes, "
+        + ", ".join(f"{k}x{n}" for k, n in SHAPES)
+        + ")",
+    )
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
+    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     torch.manual_seed(0)
-    for k, n in SHAPES:
+    for k, n in shapes:
         time_shape(args.tag, k, n, ms, args.tiled, args.peers, args.reps)
         torch.cuda.empty_cache()
 

@@ -1023,30 +1023,30 @@ fn plan_uncached(
         plan.cluster = match knobs().gemm_wg_cluster {
             Some(0) => false,
             Some(_) => clusters > 0,
-            None => {
-                plan.splits <= WG_MAX_CLUSTER
-                    && cluster_keeps_waves(
-                        plan.nblocks * plan.mblocks,
-                        plan.splits,
-                        clusters,
-                        slots,
-                    )
-            }
+            None => cluster_pays(plan.nblocks * plan.mblocks, plan.splits, clusters, slots),
         };
     }
     Ok((plan, f))
 }
 
-/// Most K splits the wgmma GEMM sums in a cluster by default: clusters of 8 (7168×2048 at
-/// M = 64 / 128, 16 tiles) took 24.5–26.7 µs on an H100 against 13.2–15.1 through the
-/// workspace (README, "Split-K in a cluster").
-const WG_MAX_CLUSTER: usize = 4;
+/// Most K splits the wgmma GEMM sums in a cluster when its clusters take several waves. H100,
+/// µs warm (README, "Split-K in a cluster"): clusters of 4 over several waves gained
+/// (7168×18432 at M = 64 / 128 85.5 / 91.4 through the workspace → 82.3 / 84.7–87.3), clusters
+/// of 5–8 lost (16384×7168 at M = 64 / 128 split 7 ways: 85–87 against 67.5–72.8); in a single
+/// wave clusters of 8 gained (7168×1536 at M = 128: 13.2–13.4 against 14.0–14.1).
+const WG_MAX_CLUSTER_WAVES: usize = 4;
 
-/// Whether `base` clusters of `splits` blocks, of which the device holds `clusters` at once,
-/// take no more waves than the same `base · splits` blocks unclustered on `slots` block slots
-/// (clusters must fit within one GPC, which can leave SMs idle).
-fn cluster_keeps_waves(base: usize, splits: usize, clusters: usize, slots: usize) -> bool {
-    clusters > 0 && base.div_ceil(clusters) <= (base * splits).div_ceil(slots.max(1))
+/// Whether the wgmma GEMM sums its `splits` in clusters: `base` clusters of `splits` blocks, of
+/// which the device holds `clusters` at once, against the same `base · splits` blocks on `slots`
+/// block slots through the workspace. Not when the clusters take more waves (a cluster must fit
+/// within one GPC, which can leave SMs idle: 16 clusters of 7 or 8 blocks of 7168×2048 took
+/// 23–27 µs against 13–15), nor when clusters of more than [`WG_MAX_CLUSTER_WAVES`] blocks take
+/// more than one wave.
+fn cluster_pays(base: usize, splits: usize, clusters: usize, slots: usize) -> bool {
+    let waves = base.div_ceil(clusters.max(1));
+    clusters > 0
+        && waves <= (base * splits).div_ceil(slots.max(1))
+        && (splits <= WG_MAX_CLUSTER_WAVES || waves == 1)
 }
 
 /// Bytes of fp32 workspace [`w4a16_gemm_awq`] needs for this shape on `device` (0 when it
@@ -2825,20 +2825,27 @@ mod tests {
     }
 
     #[test]
-    fn clusters_only_where_they_keep_the_waves() {
+    fn clusters_only_where_they_pay() {
         // 56 tiles split twice (112 blocks on 132 slots): one wave either way while the device
         // holds 56 clusters of 2, two waves if it holds only 40.
-        assert!(cluster_keeps_waves(56, 2, 66, 132));
-        assert!(cluster_keeps_waves(56, 2, 56, 132));
-        assert!(!cluster_keeps_waves(56, 2, 40, 132));
+        assert!(cluster_pays(56, 2, 66, 132));
+        assert!(cluster_pays(56, 2, 56, 132));
+        assert!(!cluster_pays(56, 2, 40, 132));
         // 32 tiles split 4 ways with room for 30 clusters of 4: a second wave the unclustered
         // 128 blocks would not need.
-        assert!(!cluster_keeps_waves(32, 4, 30, 132));
+        assert!(!cluster_pays(32, 4, 30, 132));
         // Several waves anyway (144 tiles × 4 on 264 slots: 3 waves; 64 clusters: 3 waves).
-        assert!(cluster_keeps_waves(144, 4, 64, 264));
-        assert!(!cluster_keeps_waves(144, 4, 47, 264));
+        assert!(cluster_pays(144, 4, 64, 264));
+        assert!(!cluster_pays(144, 4, 47, 264));
         // A cluster the device cannot launch at all.
-        assert!(!cluster_keeps_waves(1, 2, 0, 132));
+        assert!(!cluster_pays(1, 2, 0, 132));
+        // Clusters of 8 (7168×1536: 12 tiles) all resident at once: one wave.
+        assert!(cluster_pays(12, 8, 15, 132));
+        // Clusters of 7 over several waves (16384×7168 at M = 64: 56 tiles, 392 blocks on 264
+        // slots, two waves either way) are left to the workspace; clusters of 4 over several
+        // waves are not (7168×18432 at M = 128: 144 tiles, 576 blocks, 3 waves either way).
+        assert!(!cluster_pays(56, 7, 30, 264));
+        assert!(cluster_pays(144, 4, 72, 264));
     }
 
     #[test]
