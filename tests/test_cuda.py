@@ -175,34 +175,47 @@ SMALL_M_CASES = [(1, 4096, 2048, 128), (1, 2048, 7168, 64), (2, 1024, 544, 64), 
                  (4, 7168, 384, 128), (1, 1024, 8192, 128)]  # fmt: skip
 
 
+def awq_matmul_in_child(cases: str, env: dict[str, str]) -> list:
+    """forge.awq_matmul on every (m, k, n, group) of this module's list ``cases``, f16 then bf16,
+    in a child process with ``env`` added (the kernel knobs are read once per process): per case
+    and dtype (max |y − ref| / max |ref|, the plan's split-K workspace bytes, sha256 of y), each
+    error asserted within the dtype's tolerance of the float64 reference."""
+    script = (
+        f"import hashlib, json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        "import torch\n"
+        "from forge import _native\n"
+        f"from test_cuda import {cases} as CASES, awq_matmul_rel_err\n"
+        "out = []\n"
+        "for c in CASES:\n"
+        "    for a in (torch.float16, torch.bfloat16):\n"
+        "        y, e = awq_matmul_rel_err(a, *c, c[0] * 7 + c[1], 'range')\n"
+        "        ws = _native.w4a16_workspace_bytes(0, c[0], c[2], c[1], c[3])\n"
+        "        out.append((e, ws, hashlib.sha256(y.cpu().view(torch.int16).numpy().tobytes()).hexdigest()))\n"
+        "print(json.dumps(out))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, **env}
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    case_list = globals()[cases]
+    assert len(rows) == 2 * len(case_list)
+    for i, (e, _, _) in enumerate(rows):
+        act = torch.float16 if i % 2 == 0 else torch.bfloat16
+        assert e < awq_matmul_tol(act), (env, case_list[i // 2], act, e)
+    return rows
+
+
 def test_awq_matmul_small_m_forced_gemvs():
     """Both small-M GEMVs stay correct on shapes the default dispatch gives to the other one
     (the tensor-core v1 at M = 1 and N >= 8192 is otherwise never run, nor the SIMT v3 at
     M = 2..4 or N < 8192): each forced through `FORGE_GEMV`, read once per process, in a
     child process. The two children's outputs must differ somewhere (the kernels round
     differently), which shows the knob reached the dispatch."""
-    script = (
-        f"import hashlib, json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
-        "import torch\n"
-        "from test_cuda import SMALL_M_CASES, awq_matmul_rel_err\n"
-        "out = []\n"
-        "for c in SMALL_M_CASES:\n"
-        "    for a in (torch.float16, torch.bfloat16):\n"
-        "        y, e = awq_matmul_rel_err(a, *c, c[0] * 7 + c[1], 'range')\n"
-        "        out.append((e, hashlib.sha256(y.cpu().view(torch.int16).numpy().tobytes()).hexdigest()))\n"
-        "print(json.dumps(out))"
+    runs = {v: awq_matmul_in_child("SMALL_M_CASES", {"FORGE_GEMV": v}) for v in ("1", "3")}
+    assert [h for _, _, h in runs["1"]] != [h for _, _, h in runs["3"]], (
+        "FORGE_GEMV did not change the kernel"
     )
-    runs = {}
-    for version in ("1", "3"):
-        env = {**os.environ, "FORGE_GEMV": version}
-        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
-        assert r.returncode == 0, r.stderr[-2000:]
-        runs[version] = json.loads(r.stdout.strip().splitlines()[-1])
-        assert len(runs[version]) == 2 * len(SMALL_M_CASES)
-        for i, (e, _) in enumerate(runs[version]):
-            act = torch.float16 if i % 2 == 0 else torch.bfloat16
-            assert e < awq_matmul_tol(act), (version, SMALL_M_CASES[i // 2], act, e)
-    assert [h for _, h in runs["1"]] != [h for _, h in runs["3"]], "FORGE_GEMV did not change the kernel"
 
 
 # (m, k, n, group) the Hopper wgmma GEMM splits along K: the DeepSeek expert shapes at M = 64
@@ -223,29 +236,10 @@ def test_awq_matmul_cluster_sum_equals_workspace_sum(splits):
     (read once per process) in a child process, at the planned split count and at 3 and 8
     (`FORGE_GEMM_WG_SPLITS`); the workspace each plan asks for (none for clusters) shows the
     knob reached the dispatch."""
-    script = (
-        f"import hashlib, json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
-        "import torch\n"
-        "from forge import _native\n"
-        "from test_cuda import WG_SPLIT_CASES, awq_matmul_rel_err\n"
-        "out = []\n"
-        "for c in WG_SPLIT_CASES:\n"
-        "    for a in (torch.float16, torch.bfloat16):\n"
-        "        y, e = awq_matmul_rel_err(a, *c, c[0] + c[1], 'range')\n"
-        "        ws = _native.w4a16_workspace_bytes(0, c[0], c[2], c[1], c[3])\n"
-        "        out.append((e, ws, hashlib.sha256(y.cpu().view(torch.int16).numpy().tobytes()).hexdigest()))\n"
-        "print(json.dumps(out))"
-    )
-    runs = {}
-    for cluster in ("0", "1"):
-        env = {**os.environ, "FORGE_GEMM_WG_CLUSTER": cluster, "FORGE_GEMM_WG_SPLITS": splits}
-        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
-        assert r.returncode == 0, r.stderr[-2000:]
-        runs[cluster] = json.loads(r.stdout.strip().splitlines()[-1])
-        assert len(runs[cluster]) == 2 * len(WG_SPLIT_CASES)
-        for i, (e, _, _) in enumerate(runs[cluster]):
-            act = torch.float16 if i % 2 == 0 else torch.bfloat16
-            assert e < awq_matmul_tol(act), (cluster, WG_SPLIT_CASES[i // 2], act, e)
+    runs = {
+        c: awq_matmul_in_child("WG_SPLIT_CASES", {"FORGE_GEMM_WG_CLUSTER": c, "FORGE_GEMM_WG_SPLITS": splits})
+        for c in ("0", "1")
+    }
     # Every case splits K (a workspace without clusters), none needs one with them.
     assert all(ws > 0 for _, ws, _ in runs["0"]), runs["0"]
     assert all(ws == 0 for _, ws, _ in runs["1"]), runs["1"]

@@ -228,8 +228,8 @@ impl Device {
         if self.cc < (9, 0) || self.bind().is_err() {
             return 0;
         }
-        let mut attrs = launch_attributes(false, cluster_z);
-        let config = launch_config(dims, 0, &mut attrs);
+        let (mut attrs, n) = launch_attributes(false, cluster_z);
+        let config = launch_config(dims, 0, &mut attrs[..n]);
         let mut n: std::ffi::c_int = 0;
         // SAFETY: f is a loaded kernel of this context; config and attrs outlive the call.
         let r = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.0, &config) };
@@ -330,8 +330,8 @@ pub(crate) unsafe fn launch_clustered(
     if !launchable(dev, grid)? {
         return Ok(());
     }
-    let mut attrs = launch_attributes(pdl, cluster_z);
-    let config = launch_config((grid, block, smem), stream, &mut attrs);
+    let (mut attrs, n) = launch_attributes(pdl, cluster_z);
+    let config = launch_config((grid, block, smem), stream, &mut attrs[..n]);
     // SAFETY: config and its attributes outlive the call; the parameters are upheld by the
     // caller.
     unsafe {
@@ -341,32 +341,33 @@ pub(crate) unsafe fn launch_clustered(
 }
 
 /// The `cuLaunchKernelEx` attributes of a launch: programmatic stream serialization when `pdl`,
-/// a cluster dimension (1, 1, `cluster_z`) when `cluster_z > 1`.
-fn launch_attributes(pdl: bool, cluster_z: u32) -> Vec<sys::CUlaunchAttribute> {
-    let attribute = |id| sys::CUlaunchAttribute {
-        id,
+/// a cluster dimension (1, 1, `cluster_z`) when `cluster_z > 1`; the first `.1` of the array
+/// are set (on the stack: launches are a hot path).
+fn launch_attributes(pdl: bool, cluster_z: u32) -> ([sys::CUlaunchAttribute; 2], usize) {
+    let attribute = || sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_IGNORE,
         pad: [0; 4],
         // SAFETY: a plain-data union, all zeros is a valid value of every member.
         value: unsafe { std::mem::zeroed() },
     };
-    let mut attrs = Vec::with_capacity(2);
+    let mut attrs = [attribute(), attribute()];
+    let mut n = 0;
     if pdl {
-        let mut a = attribute(
-            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-        );
-        a.value.programmaticStreamSerializationAllowed = 1;
-        attrs.push(a);
+        attrs[n].id =
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[n].value.programmaticStreamSerializationAllowed = 1;
+        n += 1;
     }
     if cluster_z > 1 {
-        let mut a = attribute(sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION);
-        a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attrs[n].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
             x: 1,
             y: 1,
             z: cluster_z,
         };
-        attrs.push(a);
+        n += 1;
     }
-    attrs
+    (attrs, n)
 }
 
 /// A `cuLaunchKernelEx` configuration over `attrs` (which must outlive its use).
