@@ -765,23 +765,49 @@ const SM90_SMEM_PER_SM: u32 = 228 * 1024;
 /// kernel, and one block an SM").
 pub(crate) const W4A16_WG_SMEM_ALONE: u32 = SM90_SMEM_PER_SM / 2;
 
+/// µs a stage of a wgmma GEMM grid of `blocks` on `sms` SMs, measured on an H100
+/// (`FORGE_GEMM_WG_SPLITS`, 2026-11-26): a block alone on its SM takes ≈ 0.58 µs a stage; two
+/// blocks sharing an SM (88 KB each) ≈ 0.96 µs a stage for both. A grid of more blocks than SMs
+/// pays whole waves of two blocks an SM, its last wave at the alone rate when that wave holds no
+/// more blocks than SMs (7168×18432 at M = 192, 288 blocks: 2 · 0.96 predicted against 1.57 µs
+/// measured a stage; the per-SM count it replaced said 1.44).
+fn wg_stage_us(blocks: usize, sms: usize) -> f64 {
+    let sms = sms.max(1);
+    if blocks <= sms {
+        return 0.58;
+    }
+    let slots = 2 * sms;
+    let (full, rem) = (blocks / slots, blocks % slots);
+    let last = match rem {
+        0 => 0.0,
+        r if r <= sms => 0.58,
+        _ => 0.96,
+    };
+    0.96 * full as f64 + last
+}
+
 /// K splits of the wgmma kernel for `base` blocks per split on `sms` SMs, `stages` 64-deep
-/// stages and `outputs` = M·N: the split count with the least estimated time. Measured on an
-/// H100 (`FORGE_GEMM_WG_SPLITS`, 2026-11-26): a block alone on its SM takes ≈ 0.58 µs a stage,
-/// SMs holding several blocks finish ≈ 0.48 µs per block-stage; a split adds its fp32 partials
-/// written and read back (≈ 3 TB/s) and the reduction's launch (≈ 2 µs). This model is within
-/// ≈ 15 % of the measured times at M = 64 and 128 on the three DeepSeek shapes.
-fn wg_splits(base: usize, sms: usize, stages: usize, outputs: usize) -> usize {
+/// stages and `outputs` = M·N: the split count with the least estimated time, `clustered(s)`
+/// saying whether `s` splits would be summed in a thread block cluster. The loop by
+/// [`wg_stage_us`]; a split through the workspace adds its fp32 partials written and read back
+/// (≈ 3 TB/s) and the reduction's launch (≈ 2 µs), one summed in a cluster the partials' trip
+/// through distributed shared memory at the same rate and ≈ 2 µs of barriers. On eight
+/// DeepSeek-V3 shapes at M = 64 … 512 (H100, README "The split count against every forced
+/// split") it keeps the per-SM model's pick on 42 of 48 rows, is 3–13 % faster on five
+/// (7168×18432 at M = 256: 179 → 157 µs) and 4–6 % slower on one (7168×18432 at M = 64, where
+/// it prices 3 and 4 splits 0.2 µs apart).
+fn wg_splits(
+    base: usize,
+    sms: usize,
+    stages: usize,
+    outputs: usize,
+    clustered: &dyn Fn(usize) -> bool,
+) -> usize {
     let cost = |s: usize| {
-        let per = stages.div_ceil(s) as f64;
-        let per_sm = (base * s).div_ceil(sms.max(1));
-        let mut us = if per_sm == 1 {
-            0.58 * per
-        } else {
-            0.48 * per_sm as f64 * per
-        };
+        let mut us = stages.div_ceil(s) as f64 * wg_stage_us(base * s, sms);
         if s > 1 {
-            us += ((2 * s + 1) * outputs * 4) as f64 / 3.0e6 + 2.0;
+            let passes = if clustered(s) { 2 * s } else { 2 * s + 1 };
+            us += (passes * outputs * 4) as f64 / 3.0e6 + 2.0;
         }
         us
     };
@@ -795,15 +821,34 @@ fn wg_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
     n.is_multiple_of(WG_BN) && k.is_multiple_of(WG_BK) && group_size.is_multiple_of(WG_BK)
 }
 
-/// `slots` = resident blocks per SM × SMs (one full wave). `wg_sms`: the SM count when the
-/// device and shape allow the Hopper wgmma kernel.
+/// What the Hopper wgmma kernel's plan needs of the device: its SM count, and whether a grid
+/// of (N blocks, M blocks, K splits) would sum its splits in thread block clusters.
+#[derive(Clone, Copy)]
+struct WgDevice<'a> {
+    sms: usize,
+    clustered: &'a dyn Fn((usize, usize, usize)) -> bool,
+}
+
+impl WgDevice<'static> {
+    /// A device whose wgmma splits always go through the workspace (planning without a driver).
+    #[cfg(test)]
+    fn without_clusters(sms: usize) -> Self {
+        WgDevice {
+            sms,
+            clustered: &|_| false,
+        }
+    }
+}
+
+/// `slots` = resident blocks per SM × SMs (one full wave). `wg`: when the device and shape allow
+/// the Hopper wgmma kernel.
 fn gemm_plan(
     slots: usize,
     m: usize,
     n: usize,
     k: usize,
     gemv_ok: bool,
-    wg_sms: Option<usize>,
+    wg: Option<WgDevice>,
 ) -> GemmPlan {
     let tiles = k / GEMM_BK;
     let wg_min = match knobs().gemm_wg {
@@ -811,13 +856,15 @@ fn gemm_plan(
         Some(_) => GEMV3_MAX_M + 1,
         None => WG_MIN_M,
     };
-    if let Some(wg_sms) = wg_sms.filter(|_| m >= wg_min) {
+    if let Some(wg) = wg.filter(|_| m >= wg_min) {
+        let wg_sms = wg.sms;
         let mblocks = m.div_ceil(WG_BM);
         let nblocks = n / WG_BN;
         let stages = k / WG_BK;
+        let clustered = |s: usize| (wg.clustered)((nblocks, mblocks, s));
         let splits = knobs()
             .gemm_wg_splits
-            .unwrap_or_else(|| wg_splits(nblocks * mblocks, wg_sms, stages, m * n))
+            .unwrap_or_else(|| wg_splits(nblocks * mblocks, wg_sms, stages, m * n, &clustered))
             .min(stages.max(1));
         let per = stages.div_ceil(splits).max(1);
         let splits = stages.div_ceil(per);
@@ -827,7 +874,7 @@ fn gemm_plan(
             nblocks,
             mblocks,
             splits,
-            cluster: false,
+            cluster: splits > 1 && clustered(splits),
             k_chunk: per * WG_BK,
             smem: if alone {
                 W4A16_WG_SMEM_ALONE
@@ -1006,27 +1053,65 @@ fn plan_uncached(
     // plan with an estimate first.
     let gemv_ok = group_size.is_power_of_two();
     let sms = dev.sm_count.max(1) as usize;
-    let wg_sms = (dev.cc == (9, 0) && wg_shape_ok(n, k, group_size)).then_some(sms);
-    let probe = gemm_plan(sms * 4, m, n, k, gemv_ok, wg_sms);
+    let wg_ok = dev.cc == (9, 0) && wg_shape_ok(n, k, group_size);
+    let no_clusters = |_: (usize, usize, usize)| false;
+    let probe = gemm_plan(
+        sms * 4,
+        m,
+        n,
+        k,
+        gemv_ok,
+        wg_ok.then_some(WgDevice {
+            sms,
+            clustered: &no_clusters,
+        }),
+    );
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
     let occ = dev.occupancy(f, probe.threads as u32, probe.smem);
-    let mut plan = gemm_plan(sms * occ, m, n, k, gemv_ok, wg_sms);
+    // Only consulted when the probe chose the wgmma kernel, so `f` is that kernel.
+    let clustered = |grid| wg_clustered(dev, f, grid);
+    let plan = gemm_plan(
+        sms * occ,
+        m,
+        n,
+        k,
+        gemv_ok,
+        wg_ok.then_some(WgDevice {
+            sms,
+            clustered: &clustered,
+        }),
+    );
     let f = dev.function(gemm_kernel_name(act, &plan)?)?;
-    if plan.kernel == GemmKernel::Wgmma && plan.splits > 1 {
-        let dims = (
-            (plan.nblocks as u32, plan.mblocks as u32, plan.splits as u32),
-            (plan.threads as u32, 1, 1),
-            plan.smem as u32,
-        );
-        let clusters = dev.max_active_clusters(f, dims, plan.splits as u32);
-        let slots = sms * dev.occupancy(f, plan.threads as u32, plan.smem);
-        plan.cluster = match knobs().gemm_wg_cluster {
-            Some(0) => false,
-            Some(_) => clusters > 0,
-            None => cluster_pays(plan.nblocks * plan.mblocks, plan.splits, clusters, slots),
-        };
-    }
     Ok((plan, f))
+}
+
+/// Whether the wgmma kernel `f` sums the K splits of a grid of (N blocks, M blocks, splits)
+/// in thread block clusters on `dev`: [`cluster_pays`] on the device's cluster occupancy at the
+/// plan's shared memory for that grid, unless `FORGE_GEMM_WG_CLUSTER` forces either path.
+fn wg_clustered(dev: &Device, f: Func, (nblocks, mblocks, splits): (usize, usize, usize)) -> bool {
+    if splits <= 1 {
+        return false;
+    }
+    let sms = dev.sm_count.max(1) as usize;
+    let smem = if nblocks * mblocks * splits <= sms {
+        W4A16_WG_SMEM_ALONE
+    } else {
+        W4A16_WG_SMEM
+    };
+    let dims = (
+        (nblocks as u32, mblocks as u32, splits as u32),
+        (WG_THREADS as u32, 1, 1),
+        smem,
+    );
+    let clusters = dev.max_active_clusters(f, dims, splits as u32);
+    match knobs().gemm_wg_cluster {
+        Some(0) => false,
+        Some(_) => clusters > 0,
+        None => {
+            let slots = sms * dev.occupancy(f, WG_THREADS as u32, smem as usize);
+            cluster_pays(nblocks * mblocks, splits, clusters, slots)
+        }
+    }
 }
 
 /// Most K splits the wgmma GEMM sums in a cluster when its clusters take several waves. H100,
@@ -2849,6 +2934,32 @@ mod tests {
     }
 
     #[test]
+    fn wg_splits_count_waves_and_cluster_sums() {
+        // One wave alone, two blocks an SM, whole waves with a last wave alone.
+        assert_eq!(wg_stage_us(112, 132), 0.58);
+        assert_eq!(wg_stage_us(264, 132), 0.96);
+        assert!((wg_stage_us(288, 132) - (0.96 + 0.58)).abs() < 1e-12);
+        assert!((wg_stage_us(576, 132) - (2.0 * 0.96 + 0.58)).abs() < 1e-12);
+        // H100, every split count forced (README, "The split count against every forced
+        // split"): 7168×18432 at M = 256 (144 × 2 tiles, 112 stages) ran 180 µs unsplit and 158
+        // at 2 splits in clusters (clusters of up to 4 pay there); through the workspace 2
+        // splits cost more than they save.
+        let (tiles, outputs) = (288, 256 * 18432);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, &|s| s <= 4), 2);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, &|_| false), 1);
+        // 7168×2048 at M = 512 (16 × 4 tiles): 34.8 µs at 2 splits in clusters against 38.6 at
+        // 4 through the workspace (clusters of 4 do not pay there).
+        let (tiles, outputs) = (64, 512 * 2048);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, &|s| s <= 3), 2);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, &|_| false), 4);
+        // Rows the model already picked well keep their counts: 2048×7168 at M = 128 2 splits,
+        // 7168×18432 at M = 128 3, q_a 7168×1536 at M = 128 8 (all in clusters).
+        assert_eq!(wg_splits(56, 132, 32, 128 * 7168, &|s| s <= 4), 2);
+        assert_eq!(wg_splits(144, 132, 112, 128 * 18432, &|s| s <= 4), 3);
+        assert_eq!(wg_splits(12, 132, 112, 128 * 1536, &|_| true), 8);
+    }
+
+    #[test]
     fn gemm_plan_wgmma_shapes() {
         for (m, n, k) in [
             (128, 2048, 7168),
@@ -2858,7 +2969,14 @@ mod tests {
             (17, 128, 64),
         ] {
             assert!(wg_shape_ok(n, k, 64));
-            let p = gemm_plan(132 * 4, m, n, k, true, Some(132));
+            let p = gemm_plan(
+                132 * 4,
+                m,
+                n,
+                k,
+                true,
+                Some(WgDevice::without_clusters(132)),
+            );
             assert_eq!(p.kernel, GemmKernel::Wgmma, "{p:?}");
             assert!(
                 p.k_chunk.is_multiple_of(WG_BK)
@@ -2875,7 +2993,17 @@ mod tests {
         }
         // A 16-block grid splits 8 ways, a 56-block one twice, 144 blocks (just over one wave)
         // 3-4 ways; a grid of many waves not at all.
-        let splits = |m, n, k| gemm_plan(132 * 4, m, n, k, true, Some(132)).splits;
+        let splits = |m, n, k| {
+            gemm_plan(
+                132 * 4,
+                m,
+                n,
+                k,
+                true,
+                Some(WgDevice::without_clusters(132)),
+            )
+            .splits
+        };
         assert!((3..=4).contains(&splits(128, 18432, 7168)));
         assert_eq!(splits(128, 2048, 7168), 8);
         assert_eq!(splits(128, 7168, 2048), 2);
@@ -2883,7 +3011,17 @@ mod tests {
         // A grid that fits the SMs at one block each asks for more than half an SM's shared
         // memory (228 KB on sm_90), so each block has an SM of its own; larger grids keep two
         // blocks an SM.
-        let smem = |m, n, k| gemm_plan(132 * 4, m, n, k, true, Some(132)).smem;
+        let smem = |m, n, k| {
+            gemm_plan(
+                132 * 4,
+                m,
+                n,
+                k,
+                true,
+                Some(WgDevice::without_clusters(132)),
+            )
+            .smem
+        };
         assert_eq!(smem(256, 7168, 2048), W4A16_WG_SMEM_ALONE as usize); // 112 blocks
         assert_eq!(smem(128, 18432, 7168), W4A16_WG_SMEM as usize); // 144 blocks, split
         assert_eq!(smem(1024, 7168, 2048), W4A16_WG_SMEM as usize); // 448 blocks
@@ -2891,7 +3029,15 @@ mod tests {
         assert_eq!((per_sm(W4A16_WG_SMEM_ALONE), per_sm(W4A16_WG_SMEM)), (1, 2));
         // Small M keeps the GEMV; shapes the kernel cannot take keep the tiled kernel.
         assert_ne!(
-            gemm_plan(132 * 4, 16, 2048, 7168, true, Some(132)).kernel,
+            gemm_plan(
+                132 * 4,
+                16,
+                2048,
+                7168,
+                true,
+                Some(WgDevice::without_clusters(132))
+            )
+            .kernel,
             GemmKernel::Wgmma
         );
         assert!(
