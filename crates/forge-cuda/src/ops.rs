@@ -2961,6 +2961,17 @@ mod tests {
 
     #[test]
     fn gemm_plan_wgmma_shapes() {
+        // An H100's 132 SMs, its W4A16 splits all through the workspace.
+        let plan = |m, n, k| {
+            gemm_plan(
+                132 * 4,
+                m,
+                n,
+                k,
+                true,
+                Some(WgDevice::without_clusters(132)),
+            )
+        };
         for (m, n, k) in [
             (128, 2048, 7168),
             (128, 7168, 2048),
@@ -2969,14 +2980,7 @@ mod tests {
             (17, 128, 64),
         ] {
             assert!(wg_shape_ok(n, k, 64));
-            let p = gemm_plan(
-                132 * 4,
-                m,
-                n,
-                k,
-                true,
-                Some(WgDevice::without_clusters(132)),
-            );
+            let p = plan(m, n, k);
             assert_eq!(p.kernel, GemmKernel::Wgmma, "{p:?}");
             assert!(
                 p.k_chunk.is_multiple_of(WG_BK)
@@ -2993,17 +2997,7 @@ mod tests {
         }
         // A 16-block grid splits 8 ways, a 56-block one twice, 144 blocks (just over one wave)
         // 3-4 ways; a grid of many waves not at all.
-        let splits = |m, n, k| {
-            gemm_plan(
-                132 * 4,
-                m,
-                n,
-                k,
-                true,
-                Some(WgDevice::without_clusters(132)),
-            )
-            .splits
-        };
+        let splits = |m, n, k| plan(m, n, k).splits;
         assert!((3..=4).contains(&splits(128, 18432, 7168)));
         assert_eq!(splits(128, 2048, 7168), 8);
         assert_eq!(splits(128, 7168, 2048), 2);
@@ -3011,35 +3005,14 @@ mod tests {
         // A grid that fits the SMs at one block each asks for more than half an SM's shared
         // memory (228 KB on sm_90), so each block has an SM of its own; larger grids keep two
         // blocks an SM.
-        let smem = |m, n, k| {
-            gemm_plan(
-                132 * 4,
-                m,
-                n,
-                k,
-                true,
-                Some(WgDevice::without_clusters(132)),
-            )
-            .smem
-        };
+        let smem = |m, n, k| plan(m, n, k).smem;
         assert_eq!(smem(256, 7168, 2048), W4A16_WG_SMEM_ALONE as usize); // 112 blocks
         assert_eq!(smem(128, 18432, 7168), W4A16_WG_SMEM as usize); // 144 blocks, split
         assert_eq!(smem(1024, 7168, 2048), W4A16_WG_SMEM as usize); // 448 blocks
         let per_sm = |smem: u32| (228 * 1024) / (smem as usize + 1024);
         assert_eq!((per_sm(W4A16_WG_SMEM_ALONE), per_sm(W4A16_WG_SMEM)), (1, 2));
         // Small M keeps the GEMV; shapes the kernel cannot take keep the tiled kernel.
-        assert_ne!(
-            gemm_plan(
-                132 * 4,
-                16,
-                2048,
-                7168,
-                true,
-                Some(WgDevice::without_clusters(132))
-            )
-            .kernel,
-            GemmKernel::Wgmma
-        );
+        assert_ne!(plan(16, 2048, 7168).kernel, GemmKernel::Wgmma);
         assert!(
             !wg_shape_ok(96, 256, 64) && !wg_shape_ok(256, 96, 32) && !wg_shape_ok(256, 256, 32)
         );
