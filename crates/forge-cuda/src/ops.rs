@@ -765,6 +765,16 @@ const SM90_SMEM_PER_SM: u32 = 228 * 1024;
 /// kernel, and one block an SM").
 pub(crate) const W4A16_WG_SMEM_ALONE: u32 = SM90_SMEM_PER_SM / 2;
 
+/// The wgmma kernel's dynamic shared memory for a grid of `blocks` on `sms` SMs: alone on its
+/// SM when the grid fits them at one block each, else two blocks an SM.
+fn wg_smem(blocks: usize, sms: usize) -> u32 {
+    if blocks <= sms {
+        W4A16_WG_SMEM_ALONE
+    } else {
+        W4A16_WG_SMEM
+    }
+}
+
 /// µs a stage of a wgmma GEMM grid of `blocks` on `sms` SMs, measured on an H100
 /// (`FORGE_GEMM_WG_SPLITS`, 2026-11-26): a block alone on its SM takes ≈ 0.58 µs a stage; two
 /// blocks sharing an SM (88 KB each) ≈ 0.96 µs a stage for both. A grid of more blocks than SMs
@@ -811,8 +821,14 @@ fn wg_splits(
         }
         us
     };
+    // Each count's cost once (`clustered` may ask the driver); ties to the fewer splits.
     (1..=WG_MAX_SPLITS.min(stages.max(1)))
-        .fold(1, |best, s| if cost(s) < cost(best) { s } else { best })
+        .map(|s| (s, cost(s)))
+        .fold(
+            (1, f64::INFINITY),
+            |best, c| if c.1 < best.1 { c } else { best },
+        )
+        .0
 }
 
 /// Whether the wgmma kernel takes this shape (N a multiple of its 128 outputs a block, K and
@@ -861,26 +877,22 @@ fn gemm_plan(
         let mblocks = m.div_ceil(WG_BM);
         let nblocks = n / WG_BN;
         let stages = k / WG_BK;
-        let clustered = |s: usize| (wg.clustered)((nblocks, mblocks, s));
+        // One split has nothing to sum.
+        let clustered = |s: usize| s > 1 && (wg.clustered)((nblocks, mblocks, s));
         let splits = knobs()
             .gemm_wg_splits
             .unwrap_or_else(|| wg_splits(nblocks * mblocks, wg_sms, stages, m * n, &clustered))
             .min(stages.max(1));
         let per = stages.div_ceil(splits).max(1);
         let splits = stages.div_ceil(per);
-        let alone = nblocks * mblocks * splits <= wg_sms;
         return GemmPlan {
             kernel: GemmKernel::Wgmma,
             nblocks,
             mblocks,
             splits,
-            cluster: splits > 1 && clustered(splits),
+            cluster: clustered(splits),
             k_chunk: per * WG_BK,
-            smem: if alone {
-                W4A16_WG_SMEM_ALONE
-            } else {
-                W4A16_WG_SMEM
-            } as usize,
+            smem: wg_smem(nblocks * mblocks * splits, wg_sms) as usize,
             threads: WG_THREADS,
             block_n: WG_BN,
         };
@@ -1089,29 +1101,23 @@ fn plan_uncached(
 /// in thread block clusters on `dev`: [`cluster_pays`] on the device's cluster occupancy at the
 /// plan's shared memory for that grid, unless `FORGE_GEMM_WG_CLUSTER` forces either path.
 fn wg_clustered(dev: &Device, f: Func, (nblocks, mblocks, splits): (usize, usize, usize)) -> bool {
-    if splits <= 1 {
+    let forced = knobs().gemm_wg_cluster;
+    if forced == Some(0) {
         return false;
     }
     let sms = dev.sm_count.max(1) as usize;
-    let smem = if nblocks * mblocks * splits <= sms {
-        W4A16_WG_SMEM_ALONE
-    } else {
-        W4A16_WG_SMEM
-    };
+    let smem = wg_smem(nblocks * mblocks * splits, sms);
     let dims = (
         (nblocks as u32, mblocks as u32, splits as u32),
         (WG_THREADS as u32, 1, 1),
         smem,
     );
     let clusters = dev.max_active_clusters(f, dims, splits as u32);
-    match knobs().gemm_wg_cluster {
-        Some(0) => false,
-        Some(_) => clusters > 0,
-        None => {
-            let slots = sms * dev.occupancy(f, WG_THREADS as u32, smem as usize);
-            cluster_pays(nblocks * mblocks, splits, clusters, slots)
-        }
+    if forced.is_some() {
+        return clusters > 0;
     }
+    let slots = sms * dev.occupancy(f, WG_THREADS as u32, smem as usize);
+    cluster_pays(nblocks * mblocks, splits, clusters, slots)
 }
 
 /// Most K splits the wgmma GEMM sums in a cluster when its clusters take several waves. H100,
