@@ -346,6 +346,10 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async16_s(u32 saddr, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
 }
+// 8 bytes global -> shared (through L1), both 8-byte aligned.
+__device__ __forceinline__ void cp_async8_s(u32 saddr, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(saddr), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
     cp_async16_s(smem_u32(smem), gmem, src_bytes);
 }
@@ -403,12 +407,6 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
-// Makes an mbarrier's init visible to the async proxy (before a __syncthreads).
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-// Arrives and adds `bytes` to the transaction count the phase waits for.
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 // Thread block clusters (a launch with a cluster dimension, ops.rs): every thread of every
 // block of the cluster arrives, and waits for all the others; the release / acquire pair makes
 // each block's earlier shared-memory writes visible to the other blocks' reads after it.
@@ -438,13 +436,6 @@ __device__ __forceinline__ float4 ld_cluster_f4(u32 addr, u32 rank) {
                  : "r"(a)
                  : "memory");
     return v;
-}
-// Bulk copy (TMA, no tensor map) of `bytes` (a multiple of 16; both addresses 16-byte aligned)
-// global -> shared, completing as transactions on mbarrier `bar`.
-__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
 }
 #endif
 

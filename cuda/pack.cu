@@ -23,17 +23,18 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
     return ((m >> 24) & 1u) ? (1u << (bits - 1)) : ((m >> 16) & 0xFFu);
 }
 
-// Tile: 256 output rows (n) x QP_BK = 64 inputs (k), 256 threads: 64 bytes of a row for fp8
-// (128-input fp8 tiles were no faster on big matrices and 13-16 % slower on expert-sized ones:
-// half the blocks, 70 registers against 40), 128 for 16-bit types, 256 for f32. ops.rs launches
-// ceil(K/QP_BK) x ceil(N/256) blocks, the k-tiles of the same rows side by side, so the weight
-// rows stream contiguously.
-// Phase 1: thread t loads row n0+t's whole tile at once (on sm_90 bf16 / f16 rows by a bulk
-// copy into shared memory, see BULK), quantizes it run by run (8 inputs)
-// and keeps each run's 8 codes as one word (nibble j = input 8q+j). Phase 2: thread (octet
-// o = lane, run q = warp + 8i) reads the words of rows 8o..8o+7 for run q, transposes the
-// 8x8 nibbles in registers into the 8 AWQ words of inputs 8q..8q+7, and a warp writes 32
-// consecutive words per input row (128 bytes).
+// Tile: 256 output rows (n) x QP_BK = 64 inputs (k), 256 threads, for every dtype; ops.rs
+// launches ceil(K/QP_BK) x ceil(N/256) blocks, the k-tiles of the same rows side by side, so
+// the weight rows stream contiguously. (128-input fp8 tiles were no faster on big matrices and
+// 13-16 % slower on expert-sized ones.) Two kernels share that grid:
+// - awq_quant_pack_sq (fp8, f16, bf16, below): a lane quantizes an 8 x 8 square straight into
+//   its 8 AWQ words, from row tiles staged in shared memory;
+// - awq_quant_pack_impl (f32, whose 64 KB tile would not fit the square kernel's static
+//   shared memory). Phase 1: thread t loads row n0+t's whole tile at once, quantizes it run
+//   by run (8 inputs) and keeps each run's 8 codes as one word (nibble j = input 8q+j). Phase
+//   2: thread (octet o = lane, run q = warp + 8i) reads the words of rows 8o..8o+7 for run q,
+//   transposes the 8x8 nibbles in registers into the 8 AWQ words of inputs 8q..8q+7, and a
+//   warp writes 32 consecutive words per input row (128 bytes).
 #define QP_BN 256
 #define QP_BK 64
 
@@ -75,24 +76,11 @@ template <int DT>
 __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qmeta, u32* qweight, u32* qzeros,
                                                     u16* scales, int N, int K, int G, int bits, const float* bs,
                                                     int bcols) {
+    static_assert(DT == FORGE_DT_F32, "fp8 and 16-bit rows take awq_quant_pack_sq");
     constexpr int BK = QP_BK, R = BK / 8, QUARTERS = BK / 32;
-    constexpr int VEC = BK * ElemBytes<DT>::v / 16;  // 16-byte words of a row's tile: 4 (fp8), 8, 16 (f32)
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    // bf16 / f16 row tiles (128 bytes) arrive by one bulk copy a row, staged 144 bytes apart
-    // (a warp's 16-byte reads of its 32 rows then take the minimum 4 wavefronts): the copy
-    // engine reads whole lines where a warp's loads would touch 32 lines each. FP8 keeps the
-    // loads into registers: its arithmetic, not its reads, bounds it once the rows are staged
-    // (18432x7168 with block scales: 95.4 -> 100 µs staged, H100, measured with the 128-byte
-    // FP8 tiles of that time).
-    constexpr bool BULK = VEC == 8 && ElemBytes<DT>::v == 2;
-#else
-    constexpr bool BULK = false;
-#endif
-    constexpr int RSTR = 144;
-    constexpr int SWORDS = BULK && QP_BN * RSTR / 4 > QP_BN * R ? QP_BN * RSTR / 4 : QP_BN * R;
-    // [row][run] nibble words (qp_slot layout); with BULK first the staged rows.
-    __shared__ __align__(128) u32 sbuf[SWORDS];
-    u32* runs = sbuf;
+    constexpr int VEC = BK * ElemBytes<DT>::v / 16;  // 16-byte words of a row's tile
+    // [row][run] nibble words (qp_slot layout).
+    __shared__ __align__(128) u32 runs[QP_BN * R];
     const int tid = threadIdx.x;
     const int n0 = blockIdx.y * QP_BN;
     const int k0 = blockIdx.x * BK;
@@ -129,26 +117,10 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     uint4 raw[VEC];
     float sc = 1.0f;
     const uint4* src = (const uint4*)((const u8*)w + ((i64)n * K + k0) * ElemBytes<DT>::v);
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    __shared__ __align__(8) u64 full;
-    const u32 bar = smem_u32(&full);
-    if (BULK) {
-        if (tid == 0) {
-            mbar_init(bar, 1);
-            mbar_init_fence();
-        }
-        __syncthreads();
-        const u32 row_bytes = (u32)quarters * 32 * ElemBytes<DT>::v;
-        if (tid == 0) mbar_expect_tx(bar, (u32)min(QP_BN, N - n0) * row_bytes);
-        if (n < N) bulk_load(smem_u32(sbuf) + tid * RSTR, src, row_bytes, bar);
-    }
-#endif
     if (n < N) {
-        if (!BULK) {
 #pragma unroll
-            for (int i = 0; i < VEC; i++)
-                if (i / (VEC / QUARTERS) < quarters) raw[i] = src[i];
-        }
+        for (int i = 0; i < VEC; i++)
+            if (i / (VEC / QUARTERS) < quarters) raw[i] = src[i];
         const u32* qm = qmeta + (i64)n * ng;
 #pragma unroll
         for (int h = 0; h < QUARTERS; h++) {
@@ -157,23 +129,8 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
         }
         // k0 is a multiple of BK, which divides 128: one 128-wide block scale per tile.
         if (bs != nullptr) sc = block_scale(bs, bcols, n, k0);
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-        if (BULK) {
-            mbar_wait(bar, 0);
-            const uint4* row = (const uint4*)((const u8*)sbuf + tid * RSTR);
-#pragma unroll
-            for (int i = 0; i < VEC; i++)
-                if (i / (VEC / QUARTERS) < quarters) raw[i] = row[i];
-        }
-#endif
-    }
-    // The staged rows share their space with the run words.
-    if (BULK) __syncthreads();
-    if (n < N) {
         const int s0 = qp_slot<R>(tid, 0);
-        // FP8 multiplies by sc = 1 without block scales (exact), so its loop has no branch on
-        // bs; the 16-bit types keep the unscaled loop free of the multiply.
-        const bool mul = DT == FORGE_DT_F8E4M3 || bs != nullptr;
+        const bool mul = bs != nullptr;  // the unscaled loop stays free of the multiply
 #pragma unroll
         for (int q = 0; q < R; q++) {
             if (q / 4 < quarters) {
@@ -235,6 +192,163 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     }
 }
 
+
+// ---- Squares: a lane per 8 rows x 8 inputs, no transpose ----------------------------------
+// Block: 256 rows (n0..) x 64 inputs (k0..), 256 threads. The row tiles are staged in shared
+// memory by cp.async (8 threads a row, each one 8-input run: coalesced), each run at a
+// swizzled place so that a warp's reads of one run from 32 rows 8 apart take the fewest
+// wavefronts. Thread t decodes row t's grid for the tile's groups into shared memory (1/scale,
+// zero) and writes the group metadata. Then warp w, lane c quantizes rows 8c..8c+7 at inputs
+// 8w..8w+7: rows 2m and 2m+1 make one clamped u16x2 pair an input, which shifted by 4m lands on
+// nibbles m and m + 4 of that input's AWQ word (columns 2m, 2m+1): 8 AWQ words a lane, stored
+// by the warp as 128 contiguous bytes an input row. No run words, no nibble transpose, one
+// barrier. Against the row kernel (H100, kernel alone, bit-identical; README "Fused quantize +
+// pack: squares"): FP8 with block scales 7168x2048 11.2 -> 10.1 µs, 2048x7168 10.5 -> 9.8,
+// 18432x7168 89.9 -> 87.6; bf16 16.0 -> 14.2, 14.9 -> 12.3, 123.8 -> 123.9. (Session 15's
+// square kernel loaded each lane's rows straight from global memory, 32 lines a warp load,
+// and was slower on two of three shapes.)
+template <int EB> __device__ __forceinline__ u32 sq_tile_addr(int r, int p) {
+    // Row r (0..255) of 64·EB bytes, run p (0..7) of 8·EB bytes. A warp reads run w of rows
+    // 8c + j (c = lane): the XOR by (r / 8) % 8 spreads them over 8 runs; fp8 rows (64 bytes,
+    // two a 128-byte bank line) also swap halves by (r / 64) % 2, so 16 lanes cover 16 places.
+    const int row = EB == 1 ? r ^ ((r >> 6) & 1) : r;
+    return (u32)(row * 64 * EB + 8 * EB * (p ^ ((r >> 3) & 7)));
+}
+// Codes of x0 (row params inv0, z0) and x1 (inv1, z1) as one clamped u16x2 pair (x0 low):
+// clamp(rne(x·inv + z), 0, maxq), multiply and add rounded apart (--fmad=false).
+__device__ __forceinline__ u32 sq_pair(float x0, float x1, float inv0, float z0, float inv1, float z1, u32 maxq) {
+    const float t0 = x0 * inv0, t1 = x1 * inv1;
+    const float a0 = t0 + z0, a1 = t1 + z1;
+#if __CUDA_ARCH__ >= 900
+    u16 c0, c1;
+    asm("cvt.rni.u16.f32 %0, %1;" : "=h"(c0) : "f"(a0));
+    asm("cvt.rni.u16.f32 %0, %1;" : "=h"(c1) : "f"(a1));
+    return __vminu2((u32)c0 | ((u32)c1 << 16), maxq * 0x10001u);
+#else
+    return min(__float2uint_rn(a0), maxq) + (min(__float2uint_rn(a1), maxq) << 16);
+#endif
+}
+
+template <int DT>
+__device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmeta, u32* qweight, u32* qzeros,
+                                                  u16* scales, int N, int K, int G, int bits, const float* bs,
+                                                  int bcols) {
+    constexpr int EB = ElemBytes<DT>::v, BK = QP_BK, QUARTERS = BK / 32;
+    static_assert(QUARTERS == 2 && (EB == 1 || EB == 2), "64-input tiles of fp8 or 16-bit rows");
+    __shared__ __align__(128) u8 tile[QP_BN * BK * EB];
+    __shared__ float2 prm[2][QP_BN];  // (1/scale, zero) of the tile's groups, row r at (r % 8)·32 + r / 8
+    const int tid = threadIdx.x;
+    const int n0 = blockIdx.y * QP_BN;
+    const int k0 = blockIdx.x * BK;
+    const bool g_pow2 = (G & (G - 1)) == 0;
+    const int g_shift = __ffs(G) - 1;
+    const int ng = g_pow2 ? K >> g_shift : K / G;
+    const u32 maxq = (1u << bits) - 1u;
+    const int quarters = min(QUARTERS, (K - k0) / 32);
+    const int rows = min(QP_BN, N - n0), runs = 4 * quarters;
+    {
+        // Run s = tid + 256 i: row r0 + 32 i, run p.
+        const u32 tbase = smem_u32(tile);
+        const int r0 = tid >> 3, p = tid & 7;
+        const u8* src = (const u8*)w + ((i64)(n0 + r0) * K + k0 + 8 * p) * EB;
+        const i64 step = (i64)32 * K * EB;
+        if (p < runs) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const u32 dst = tbase + sq_tile_addr<EB>(r0 + 32 * i, p);
+                if (r0 + 32 * i < rows) {
+                    if (EB == 1) cp_async8_s(dst, src);
+                    else cp_async16_s(dst, src, 16);
+                }
+                src += step;
+            }
+        }
+    }
+    cp_async_commit();
+    const int warp = tid >> 5, c = tid & 31;
+    const bool live = warp < runs && 8 * c < rows;
+    // This lane's block scale (its 8 rows and 8 inputs lie in one 128 x 128 block), loaded
+    // before the grid so that both trips overlap the tile's.
+    const float sc = live && bs != nullptr ? block_scale(bs, bcols, n0 + 8 * c, k0) : 1.0f;
+    int qgrp[QUARTERS];
+    bool qstart[QUARTERS];
+    {
+        int grp = g_pow2 ? k0 >> g_shift : k0 / G, rem = k0 - grp * G;
+#pragma unroll
+        for (int h = 0; h < QUARTERS; h++) {
+            if (h > 0 && (rem += 32) >= G) {
+                rem -= G;
+                grp++;
+            }
+            qgrp[h] = grp;
+            qstart[h] = rem == 0;
+        }
+    }
+    // Row tid's grid for the tile's groups (one or two: G >= 32), and the group metadata.
+    const int n = n0 + tid;
+    const int pslot = (tid & 7) * 32 + (tid >> 3);
+    GroupParams p[QUARTERS];
+    if (n < N) {
+        const u32* qm = qmeta + (i64)n * ng;
+#pragma unroll
+        for (int h = 0; h < QUARTERS; h++) {
+            if (h == 0 || (h < quarters && qstart[h])) {
+                p[h] = qmeta_params(qm[qgrp[h]], bits);
+                prm[qgrp[h] - qgrp[0]][pslot] = make_float2(p[h].inv, p[h].zero);
+            } else {
+                p[h] = p[h - 1];
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < QUARTERS; h++) {
+        if (h < quarters && qstart[h]) {
+            const int grp = qgrp[h], j = tid & 7;
+            u32 zw = 0;
+            if (n < N) {
+                scales[(i64)grp * N + n] = f32_to_f16_rn(p[h].scale);
+                zw = ((u32)p[h].zero & 15u) << (4 * awq_nibble(j));
+            }
+            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 1);
+            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 2);
+            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 4);
+            if (j == 0 && n < N) qzeros[(i64)grp * (N / 8) + n / 8] = zw;
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (!live) return;
+    const float2* pr = prm[warp >= 4 ? qgrp[1] - qgrp[0] : 0] + c;
+    // FP8 multiplies by sc = 1 without block scales (exact); the 16-bit types skip the multiply.
+    const bool mul = DT == FORGE_DT_F8E4M3 || bs != nullptr;
+    u32 words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        float v0[8], v1[8];
+        uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+        if (EB == 1) {
+            const uint2 a2 = *(const uint2*)(tile + sq_tile_addr<EB>(8 * c + 2 * m, warp));
+            const uint2 b2 = *(const uint2*)(tile + sq_tile_addr<EB>(8 * c + 2 * m + 1, warp));
+            a.x = a2.x, a.y = a2.y, b.x = b2.x, b.y = b2.y;
+        } else {
+            a = *(const uint4*)(tile + sq_tile_addr<EB>(8 * c + 2 * m, warp));
+            b = *(const uint4*)(tile + sq_tile_addr<EB>(8 * c + 2 * m + 1, warp));
+        }
+        decode_run<DT>(&a, 0, v0);
+        decode_run<DT>(&b, 0, v1);
+        const float2 p0 = pr[(2 * m) * 32], p1 = pr[(2 * m + 1) * 32];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float x0 = mul ? v0[j] * sc : v0[j], x1 = mul ? v1[j] * sc : v1[j];
+            words[j] += sq_pair(x0, x1, p0.x, p0.y, p1.x, p1.y, maxq) << (4 * m);  // codes <= 15: + is |
+        }
+    }
+    const int NW = N / 8;
+    u32* dst = qweight + (i64)(k0 + 8 * warp) * NW + n0 / 8 + c;
+#pragma unroll
+    for (int j = 0; j < 8; j++, dst += NW) *dst = words[j];
+}
+
 #define FORGE_QPACK_ENTRY(SUF, DT)                                                                       \
     extern "C" __global__ void __launch_bounds__(256) awq_quant_pack_##SUF(                              \
         const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K, int G,     \
@@ -242,9 +356,19 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
         awq_quant_pack_impl<DT>(w, qmeta, qweight, qzeros, scales, N, K, G, bits, bs, bcols);           \
     }
 FORGE_QPACK_ENTRY(f32, FORGE_DT_F32)
-FORGE_QPACK_ENTRY(f16, FORGE_DT_F16)
-FORGE_QPACK_ENTRY(bf16, FORGE_DT_BF16)
-FORGE_QPACK_ENTRY(f8e4m3, FORGE_DT_F8E4M3)
+#define FORGE_QPACK_SQ_ENTRY(SUF, DT)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) awq_quant_pack_##SUF(                              \
+        const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K, int G,     \
+        int bits, const float* bs, int bcols) {                                                          \
+        awq_quant_pack_sq<DT>(w, qmeta, qweight, qzeros, scales, N, K, G, bits, bs, bcols);              \
+    }
+FORGE_QPACK_SQ_ENTRY(f16, FORGE_DT_F16)
+FORGE_QPACK_SQ_ENTRY(bf16, FORGE_DT_BF16)
+extern "C" __global__ void __launch_bounds__(256) awq_quant_pack_f8e4m3(
+    const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K, int G,
+    int bits, const float* bs, int bcols) {
+    awq_quant_pack_sq<FORGE_DT_F8E4M3>(w, qmeta, qweight, qzeros, scales, N, K, G, bits, bs, bcols);
+}
 
 // codes [K, N] u8 -> AWQ qweight [K, N/8]; one word per thread.
 extern "C" __global__ void awq_pack_codes(const u8* codes, u32* qweight, int K, int N) {
