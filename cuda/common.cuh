@@ -233,18 +233,19 @@ __device__ __forceinline__ float quant_code(float x, const GroupParams& p) {
 __device__ __forceinline__ u32 quant_code_u(float x, const GroupParams& p, u32 maxq) {
     return min(__float2uint_rn(quant_arg(x, p)), maxq);
 }
-// quant_code_u of x0 and x1 as one u16x2 pair (x0 low). On sm_90 each is converted to u16
-// (nearest even, saturating: NaN and negatives 0, large values 65535) and both are clamped to
-// maxq by one vector min — one ALU min per two codes (VIMNMX.U16x2); elsewhere (no vector
-// min) two quant_code_u.
-__device__ __forceinline__ u32 quant_code_u16x2(float x0, float x1, const GroupParams& p, u32 maxq) {
+// quant_code_u of x0 on grid p0 and x1 on grid p1 as one u16x2 pair (x0 low). On sm_90 each is
+// converted to u16 (nearest even, saturating: NaN and negatives 0, large values 65535) and both
+// are clamped to maxq by one vector min — one ALU min per two codes (VIMNMX.U16x2); elsewhere
+// (no vector min) two quant_code_u.
+__device__ __forceinline__ u32 quant_code_u16x2(float x0, const GroupParams& p0, float x1, const GroupParams& p1,
+                                                u32 maxq) {
 #if __CUDA_ARCH__ >= 900
     u16 c0, c1;
-    asm("cvt.rni.u16.f32 %0, %1;" : "=h"(c0) : "f"(quant_arg(x0, p)));
-    asm("cvt.rni.u16.f32 %0, %1;" : "=h"(c1) : "f"(quant_arg(x1, p)));
+    asm("cvt.rni.u16.f32 %0, %1;" : "=h"(c0) : "f"(quant_arg(x0, p0)));
+    asm("cvt.rni.u16.f32 %0, %1;" : "=h"(c1) : "f"(quant_arg(x1, p1)));
     return __vminu2((u32)c0 | ((u32)c1 << 16), maxq * 0x10001u);
 #else
-    return quant_code_u(x0, p, maxq) + (quant_code_u(x1, p, maxq) << 16);  // codes <= maxq < 2^16: + is |
+    return quant_code_u(x0, p0, maxq) + (quant_code_u(x1, p1, maxq) << 16);  // codes <= maxq < 2^16: + is |
 #endif
 }
 __device__ __forceinline__ float dequant(float q, const GroupParams& p) { return (q - p.zero) * p.scale; }

@@ -72,6 +72,62 @@ __device__ __forceinline__ void nibble_transpose8(u32 a[8]) {
     }
 }
 
+// The block's 256-row x 64-input tile (both pack kernels' grid): its first row and input, the
+// groups a row, the whole 32-input quarters it holds (K and G are multiples of 32, so a group
+// can only start at a quarter), and each quarter's group and whether a group starts there, from
+// one division (G >= 32: the next quarter is at most one group further; a division or remainder
+// by the runtime G per quarter cost ~20 instructions each). A power-of-two G (32, 64, 128)
+// divides by a shift.
+struct PackTile {
+    int n0, k0, ng, quarters;
+    int grp[QP_BK / 32];
+    bool start[QP_BK / 32];
+};
+__device__ __forceinline__ PackTile pack_tile(int K, int G) {
+    PackTile t;
+    t.n0 = blockIdx.y * QP_BN;
+    t.k0 = blockIdx.x * QP_BK;
+    const bool g_pow2 = (G & (G - 1)) == 0;
+    const int g_shift = __ffs(G) - 1;
+    t.ng = g_pow2 ? K >> g_shift : K / G;
+    t.quarters = min(QP_BK / 32, (K - t.k0) / 32);
+    int grp = g_pow2 ? t.k0 >> g_shift : t.k0 / G, rem = t.k0 - grp * G;
+#pragma unroll
+    for (int h = 0; h < QP_BK / 32; h++) {
+        if (h > 0 && (rem += 32) >= G) {
+            rem -= G;
+            grp++;
+        }
+        t.grp[h] = grp;
+        t.start[h] = rem == 0;
+    }
+    return t;
+}
+
+// Group metadata, once per group, by the tile that holds the group's first input: thread t
+// (row n = n0 + t) writes its row's scale from the grid it decoded (p[h] of quarter h), and an
+// octet of lanes (rows 8c..8c+7; N % 8 == 0, so an octet is all in or all out) ORs its zero
+// points into the AWQ word by shuffles — nothing is read again at the block's end. Every thread
+// of the block calls it (the shuffles).
+__device__ __forceinline__ void write_group_meta(const PackTile& t, const GroupParams* p, int n, int N, u16* scales,
+                                                 u32* qzeros) {
+#pragma unroll
+    for (int h = 0; h < QP_BK / 32; h++) {
+        if (h < t.quarters && t.start[h]) {
+            const int grp = t.grp[h], j = threadIdx.x & 7;
+            u32 zw = 0;
+            if (n < N) {
+                scales[(i64)grp * N + n] = f32_to_f16_rn(p[h].scale);
+                zw = ((u32)p[h].zero & 15u) << (4 * awq_nibble(j));
+            }
+            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 1);
+            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 2);
+            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 4);
+            if (j == 0 && n < N) qzeros[(i64)grp * (N / 8) + n / 8] = zw;
+        }
+    }
+}
+
 template <int DT>
 __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qmeta, u32* qweight, u32* qzeros,
                                                     u16* scales, int N, int K, int G, int bits, const float* bs,
@@ -82,34 +138,9 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
     // [row][run] nibble words (qp_slot layout).
     __shared__ __align__(128) u32 runs[QP_BN * R];
     const int tid = threadIdx.x;
-    const int n0 = blockIdx.y * QP_BN;
-    const int k0 = blockIdx.x * BK;
-    // A power-of-two G (32, 64, 128) divides by a shift (a division by a runtime int is ~20
-    // instructions).
-    const bool g_pow2 = (G & (G - 1)) == 0;
-    const int g_shift = __ffs(G) - 1;
-    const int ng = g_pow2 ? K >> g_shift : K / G;
+    const PackTile t = pack_tile(K, G);
+    const int n0 = t.n0, k0 = t.k0, quarters = t.quarters;
     const u32 maxq = (1u << bits) - 1u;
-    // K and G are multiples of 32: the tile holds `quarters` whole 32-input quarters, and a
-    // group can only start at a quarter.
-    const int quarters = min(QUARTERS, (K - k0) / 32);
-    // Each quarter's group and whether one starts there, from one division (G >= 32: the
-    // next quarter is at most one group further); a division or remainder by the runtime G
-    // per quarter cost ~20 instructions each.
-    int qgrp[QUARTERS];
-    bool qstart[QUARTERS];
-    {
-        int grp = g_pow2 ? k0 >> g_shift : k0 / G, rem = k0 - grp * G;
-#pragma unroll
-        for (int h = 0; h < QUARTERS; h++) {
-            if (h > 0 && (rem += 32) >= G) {
-                rem -= G;
-                grp++;
-            }
-            qgrp[h] = grp;
-            qstart[h] = rem == 0;
-        }
-    }
     // Phase 1. The row's loads are issued first, all at once; its grid is decoded while they
     // are in flight.
     const int n = n0 + tid;
@@ -121,10 +152,10 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
 #pragma unroll
         for (int i = 0; i < VEC; i++)
             if (i / (VEC / QUARTERS) < quarters) raw[i] = src[i];
-        const u32* qm = qmeta + (i64)n * ng;
+        const u32* qm = qmeta + (i64)n * t.ng;
 #pragma unroll
         for (int h = 0; h < QUARTERS; h++) {
-            if (h == 0 || (h < quarters && qstart[h])) p[h] = qmeta_params(qm[qgrp[h]], bits);
+            if (h == 0 || (h < quarters && t.start[h])) p[h] = qmeta_params(qm[t.grp[h]], bits);
             else p[h] = p[h - 1];
         }
         // k0 is a multiple of BK, which divides 128: one 128-wide block scale per tile.
@@ -144,31 +175,13 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
                 for (int j = 0; j < 4; j++) {
                     const float x0 = mul ? v[j] * sc : v[j];
                     const float x1 = mul ? v[j + 4] * sc : v[j + 4];
-                    word += quant_code_u16x2(x0, x1, p[q / 4], maxq) << (4 * j);  // codes <= 15: + is |
+                    word += quant_code_u16x2(x0, p[q / 4], x1, p[q / 4], maxq) << (4 * j);  // codes <= 15: + is |
                 }
                 runs[s0 ^ q] = word;
             }
         }
     }
-    // Group metadata, once per group, by the tile that holds the group's first input: each
-    // thread writes its row's scale from the grid it decoded, and an octet of lanes (rows
-    // 8c..8c+7; N % 8 == 0, so an octet is all in or all out) ORs its zero points into the AWQ
-    // word by shuffles — nothing is read again at the block's end.
-#pragma unroll
-    for (int h = 0; h < QUARTERS; h++) {
-        if (h < quarters && qstart[h]) {
-            const int grp = qgrp[h], j = tid & 7;
-            u32 zw = 0;
-            if (n < N) {
-                scales[(i64)grp * N + n] = f32_to_f16_rn(p[h].scale);
-                zw = ((u32)p[h].zero & 15u) << (4 * awq_nibble(j));
-            }
-            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 1);
-            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 2);
-            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 4);
-            if (j == 0 && n < N) qzeros[(i64)grp * (N / 8) + n / 8] = zw;
-        }
-    }
+    write_group_meta(t, p, n, N, scales, qzeros);
     __syncthreads();
     // Phase 2: AWQ word i of an input row holds column awq_col(i).
     const int NW = N / 8;
@@ -214,21 +227,6 @@ template <int EB> __device__ __forceinline__ u32 sq_tile_addr(int r, int p) {
     const int row = EB == 1 ? r ^ ((r >> 6) & 1) : r;
     return (u32)(row * 64 * EB + 8 * EB * (p ^ ((r >> 3) & 7)));
 }
-// Codes of x0 (row params inv0, z0) and x1 (inv1, z1) as one clamped u16x2 pair (x0 low):
-// clamp(rne(x·inv + z), 0, maxq), multiply and add rounded apart (--fmad=false).
-__device__ __forceinline__ u32 sq_pair(float x0, float x1, float inv0, float z0, float inv1, float z1, u32 maxq) {
-    const float t0 = x0 * inv0, t1 = x1 * inv1;
-    const float a0 = t0 + z0, a1 = t1 + z1;
-#if __CUDA_ARCH__ >= 900
-    u16 c0, c1;
-    asm("cvt.rni.u16.f32 %0, %1;" : "=h"(c0) : "f"(a0));
-    asm("cvt.rni.u16.f32 %0, %1;" : "=h"(c1) : "f"(a1));
-    return __vminu2((u32)c0 | ((u32)c1 << 16), maxq * 0x10001u);
-#else
-    return min(__float2uint_rn(a0), maxq) + (min(__float2uint_rn(a1), maxq) << 16);
-#endif
-}
-
 template <int DT>
 __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmeta, u32* qweight, u32* qzeros,
                                                   u16* scales, int N, int K, int G, int bits, const float* bs,
@@ -238,13 +236,9 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
     __shared__ __align__(128) u8 tile[QP_BN * BK * EB];
     __shared__ float2 prm[2][QP_BN];  // (1/scale, zero) of the tile's groups, row r at (r % 8)·32 + r / 8
     const int tid = threadIdx.x;
-    const int n0 = blockIdx.y * QP_BN;
-    const int k0 = blockIdx.x * BK;
-    const bool g_pow2 = (G & (G - 1)) == 0;
-    const int g_shift = __ffs(G) - 1;
-    const int ng = g_pow2 ? K >> g_shift : K / G;
+    const PackTile t = pack_tile(K, G);
+    const int n0 = t.n0, k0 = t.k0, quarters = t.quarters;
     const u32 maxq = (1u << bits) - 1u;
-    const int quarters = min(QUARTERS, (K - k0) / 32);
     const int rows = min(QP_BN, N - n0), runs = 4 * quarters;
     {
         // Run s = tid + 256 i: row r0 + 32 i, run p.
@@ -270,55 +264,27 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
     // This lane's block scale (its 8 rows and 8 inputs lie in one 128 x 128 block), loaded
     // before the grid so that both trips overlap the tile's.
     const float sc = live && bs != nullptr ? block_scale(bs, bcols, n0 + 8 * c, k0) : 1.0f;
-    int qgrp[QUARTERS];
-    bool qstart[QUARTERS];
-    {
-        int grp = g_pow2 ? k0 >> g_shift : k0 / G, rem = k0 - grp * G;
-#pragma unroll
-        for (int h = 0; h < QUARTERS; h++) {
-            if (h > 0 && (rem += 32) >= G) {
-                rem -= G;
-                grp++;
-            }
-            qgrp[h] = grp;
-            qstart[h] = rem == 0;
-        }
-    }
     // Row tid's grid for the tile's groups (one or two: G >= 32), and the group metadata.
     const int n = n0 + tid;
     const int pslot = (tid & 7) * 32 + (tid >> 3);
     GroupParams p[QUARTERS];
     if (n < N) {
-        const u32* qm = qmeta + (i64)n * ng;
+        const u32* qm = qmeta + (i64)n * t.ng;
 #pragma unroll
         for (int h = 0; h < QUARTERS; h++) {
-            if (h == 0 || (h < quarters && qstart[h])) {
-                p[h] = qmeta_params(qm[qgrp[h]], bits);
-                prm[qgrp[h] - qgrp[0]][pslot] = make_float2(p[h].inv, p[h].zero);
+            if (h == 0 || (h < quarters && t.start[h])) {
+                p[h] = qmeta_params(qm[t.grp[h]], bits);
+                prm[t.grp[h] - t.grp[0]][pslot] = make_float2(p[h].inv, p[h].zero);
             } else {
                 p[h] = p[h - 1];
             }
         }
     }
-#pragma unroll
-    for (int h = 0; h < QUARTERS; h++) {
-        if (h < quarters && qstart[h]) {
-            const int grp = qgrp[h], j = tid & 7;
-            u32 zw = 0;
-            if (n < N) {
-                scales[(i64)grp * N + n] = f32_to_f16_rn(p[h].scale);
-                zw = ((u32)p[h].zero & 15u) << (4 * awq_nibble(j));
-            }
-            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 1);
-            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 2);
-            zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 4);
-            if (j == 0 && n < N) qzeros[(i64)grp * (N / 8) + n / 8] = zw;
-        }
-    }
+    write_group_meta(t, p, n, N, scales, qzeros);
     cp_async_wait<0>();
     __syncthreads();
     if (!live) return;
-    const float2* pr = prm[warp >= 4 ? qgrp[1] - qgrp[0] : 0] + c;
+    const float2* pr = prm[warp >= 4 ? t.grp[1] - t.grp[0] : 0] + c;
     // FP8 multiplies by sc = 1 without block scales (exact); the 16-bit types skip the multiply.
     const bool mul = DT == FORGE_DT_F8E4M3 || bs != nullptr;
     u32 words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
@@ -336,11 +302,13 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
         }
         decode_run<DT>(&a, 0, v0);
         decode_run<DT>(&b, 0, v1);
-        const float2 p0 = pr[(2 * m) * 32], p1 = pr[(2 * m + 1) * 32];
+        // The two rows' grids as the quantizer reads them (1/scale and zero only).
+        const float2 g0 = pr[(2 * m) * 32], g1 = pr[(2 * m + 1) * 32];
+        const GroupParams p0{0.0f, g0.x, g0.y, 0.0f}, p1{0.0f, g1.x, g1.y, 0.0f};
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const float x0 = mul ? v0[j] * sc : v0[j], x1 = mul ? v1[j] * sc : v1[j];
-            words[j] += sq_pair(x0, x1, p0.x, p0.y, p1.x, p1.y, maxq) << (4 * m);  // codes <= 15: + is |
+            words[j] += quant_code_u16x2(x0, p0, x1, p1, maxq) << (4 * m);  // codes <= 15: + is |
         }
     }
     const int NW = N / 8;
