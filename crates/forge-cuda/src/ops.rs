@@ -846,8 +846,8 @@ struct WgDevice<'a> {
 }
 
 impl WgDevice<'static> {
-    /// A device whose wgmma splits always go through the workspace (planning without a driver).
-    #[cfg(test)]
+    /// A device whose wgmma splits always go through the workspace (a plan without the
+    /// driver's cluster occupancy: the probe plan, and the tests).
     fn without_clusters(sms: usize) -> Self {
         WgDevice {
             sms,
@@ -1066,17 +1066,13 @@ fn plan_uncached(
     let gemv_ok = group_size.is_power_of_two();
     let sms = dev.sm_count.max(1) as usize;
     let wg_ok = dev.cc == (9, 0) && wg_shape_ok(n, k, group_size);
-    let no_clusters = |_: (usize, usize, usize)| false;
     let probe = gemm_plan(
         sms * 4,
         m,
         n,
         k,
         gemv_ok,
-        wg_ok.then_some(WgDevice {
-            sms,
-            clustered: &no_clusters,
-        }),
+        wg_ok.then(|| WgDevice::without_clusters(sms)),
     );
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
     let occ = dev.occupancy(f, probe.threads as u32, probe.smem);
