@@ -25,54 +25,13 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
 
 // Tile: 256 output rows (n) x QP_BK = 64 inputs (k), 256 threads, for every dtype; ops.rs
 // launches ceil(K/QP_BK) x ceil(N/256) blocks, the k-tiles of the same rows side by side, so
-// the weight rows stream contiguously. (128-input fp8 tiles were no faster on big matrices and
-// 13-16 % slower on expert-sized ones.) Two kernels share that grid:
-// - awq_quant_pack_sq (fp8, f16, bf16, below): a lane quantizes an 8 x 8 square straight into
-//   its 8 AWQ words, from row tiles staged in shared memory;
-// - awq_quant_pack_impl (f32, whose 64 KB tile would not fit the square kernel's static
-//   shared memory). Phase 1: thread t loads row n0+t's whole tile at once, quantizes it run
-//   by run (8 inputs) and keeps each run's 8 codes as one word (nibble j = input 8q+j). Phase
-//   2: thread (octet o = lane, run q = warp + 8i) reads the words of rows 8o..8o+7 for run q,
-//   transposes the 8x8 nibbles in registers into the 8 AWQ words of inputs 8q..8q+7, and a
-//   warp writes 32 consecutive words per input row (128 bytes).
+// the weight rows stream contiguously, with the row tiles' 256·QP_BK·EB bytes of dynamic shared
+// memory. (128-input fp8 tiles were no faster on big matrices and 13-16 % slower on
+// expert-sized ones.)
 #define QP_BN 256
 #define QP_BK 64
 
-// Shared-memory word of row r (0..255), run q (0..R-1), R runs per row: 32 / R rows per
-// 32-word line; the XOR by r/8 gives phase 2's 32 lanes (rows 8o+c, the same c and q) 32
-// different banks. For q < R and c < 8 (R = 8; 16 holds too): qp_slot(r, q) == qp_slot(r, 0) ^ q and
-// qp_slot(8o + c, 0) == qp_slot(8o, 0) ^ R·c, so a thread computes one base and XORs
-// constants into it (the address arithmetic was a tenth of the FP8 kernel's instructions).
-template <int R> __device__ __forceinline__ int qp_slot(int r, int q) {
-    return (r / (32 / R)) * 32 + (((r % (32 / R)) * R + q) ^ ((r >> 3) & 31));
-}
-
-// Transposes the 8x8 nibble matrix a[i] (nibble j = element [i][j]) in place: afterwards
-// a[j]'s nibble i is the former a[i]'s nibble j.
-__device__ __forceinline__ void nibble_transpose8(u32 a[8]) {
-#pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-        u32 t = ((a[i] >> 4) ^ a[i + 1]) & 0x0F0F0F0Fu;
-        a[i + 1] ^= t;
-        a[i] ^= t << 4;
-    }
-    const int lo2[4] = {0, 1, 4, 5};
-#pragma unroll
-    for (int m = 0; m < 4; m++) {
-        const int i = lo2[m];
-        u32 t = ((a[i] >> 8) ^ a[i + 2]) & 0x00FF00FFu;
-        a[i + 2] ^= t;
-        a[i] ^= t << 8;
-    }
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        u32 t = ((a[i] >> 16) ^ a[i + 4]) & 0x0000FFFFu;
-        a[i + 4] ^= t;
-        a[i] ^= t << 16;
-    }
-}
-
-// The block's 256-row x 64-input tile (both pack kernels' grid): its first row and input, the
+// The block's 256-row x 64-input tile (the pack kernel's grid): its first row and input, the
 // groups a row, the whole 32-input quarters it holds (K and G are multiples of 32, so a group
 // can only start at a quarter), and each quarter's group and whether a group starts there, from
 // one division (G >= 32: the next quarter is at most one group further; a division or remainder
@@ -128,84 +87,6 @@ __device__ __forceinline__ void write_group_meta(const PackTile& t, const GroupP
     }
 }
 
-template <int DT>
-__device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qmeta, u32* qweight, u32* qzeros,
-                                                    u16* scales, int N, int K, int G, int bits, const float* bs,
-                                                    int bcols) {
-    static_assert(DT == FORGE_DT_F32, "fp8 and 16-bit rows take awq_quant_pack_sq");
-    constexpr int BK = QP_BK, R = BK / 8, QUARTERS = BK / 32;
-    constexpr int VEC = BK * ElemBytes<DT>::v / 16;  // 16-byte words of a row's tile
-    // [row][run] nibble words (qp_slot layout).
-    __shared__ __align__(128) u32 runs[QP_BN * R];
-    const int tid = threadIdx.x;
-    const PackTile t = pack_tile(K, G);
-    const int n0 = t.n0, k0 = t.k0, quarters = t.quarters;
-    const u32 maxq = (1u << bits) - 1u;
-    // Phase 1. The row's loads are issued first, all at once; its grid is decoded while they
-    // are in flight.
-    const int n = n0 + tid;
-    GroupParams p[QUARTERS];
-    uint4 raw[VEC];
-    float sc = 1.0f;
-    const uint4* src = (const uint4*)((const u8*)w + ((i64)n * K + k0) * ElemBytes<DT>::v);
-    if (n < N) {
-#pragma unroll
-        for (int i = 0; i < VEC; i++)
-            if (i / (VEC / QUARTERS) < quarters) raw[i] = src[i];
-        const u32* qm = qmeta + (i64)n * t.ng;
-#pragma unroll
-        for (int h = 0; h < QUARTERS; h++) {
-            if (h == 0 || (h < quarters && t.start[h])) p[h] = qmeta_params(qm[t.grp[h]], bits);
-            else p[h] = p[h - 1];
-        }
-        // k0 is a multiple of BK, which divides 128: one 128-wide block scale per tile.
-        if (bs != nullptr) sc = block_scale(bs, bcols, n, k0);
-        const int s0 = qp_slot<R>(tid, 0);
-        const bool mul = bs != nullptr;  // the unscaled loop stays free of the multiply
-#pragma unroll
-        for (int q = 0; q < R; q++) {
-            if (q / 4 < quarters) {
-                float v[8];
-                decode_run<DT>(raw, q, v);
-                u32 word = 0;
-                // Inputs j and j + 4 as one clamped u16x2 pair, shifted onto nibbles j and
-                // j + 4 (on sm_90 the ALU pipe bounds this loop: ncu 59 %, and the pair takes
-                // one min for two codes).
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float x0 = mul ? v[j] * sc : v[j];
-                    const float x1 = mul ? v[j + 4] * sc : v[j + 4];
-                    word += quant_code_u16x2(x0, p[q / 4], x1, p[q / 4], maxq) << (4 * j);  // codes <= 15: + is |
-                }
-                runs[s0 ^ q] = word;
-            }
-        }
-    }
-    write_group_meta(t, p, n, N, scales, qzeros);
-    __syncthreads();
-    // Phase 2: AWQ word i of an input row holds column awq_col(i).
-    const int NW = N / 8;
-    const int o = tid & 31;
-    const int gwc = n0 / 8 + o;
-    const int b0 = qp_slot<R>(8 * o, 0);
-#pragma unroll
-    for (int i = 0; i < R / 8; i++) {
-        const int q = (tid >> 5) + 8 * i;
-        const int k = k0 + 8 * q;
-        if (gwc < NW && q / 4 < quarters) {
-            const int bq = b0 ^ q;
-            u32 a[8];
-#pragma unroll
-            for (int c = 0; c < 8; c++) a[c] = runs[bq ^ (R * awq_col(c))];
-            nibble_transpose8(a);
-            u32* dst = qweight + (i64)k * NW + gwc;
-#pragma unroll
-            for (int j = 0; j < 8; j++, dst += NW) *dst = a[j];
-        }
-    }
-}
-
-
 // ---- Squares: a lane per 8 rows x 8 inputs, no transpose ----------------------------------
 // Block: 256 rows (n0..) x 64 inputs (k0..), 256 threads. The row tiles are staged in shared
 // memory by cp.async (8 threads a row, each one 8-input run: coalesced), each run at a
@@ -215,9 +96,10 @@ __device__ __forceinline__ void awq_quant_pack_impl(const void* w, const u32* qm
 // 8w..8w+7: rows 2m and 2m+1 make one clamped u16x2 pair an input, which shifted by 4m lands on
 // nibbles m and m + 4 of that input's AWQ word (columns 2m, 2m+1): 8 AWQ words a lane, stored
 // by the warp as 128 contiguous bytes an input row. No run words, no nibble transpose, one
-// barrier. Against the row kernel (H100, kernel alone, bit-identical; README "Fused quantize +
+// barrier. Against the row kernel it replaced (H100, kernel alone, bit-identical; README "Fused quantize +
 // pack: squares"): FP8 with block scales 7168x2048 11.2 -> 10.1 µs, 2048x7168 10.5 -> 9.8,
-// 18432x7168 89.9 -> 87.6; bf16 16.0 -> 14.2, 14.9 -> 12.3, 123.8 -> 123.9. (Session 15's
+// 18432x7168 89.9 -> 87.6; bf16 16.0 -> 14.2, 14.9 -> 12.3, 123.8 -> 123.9; f32 (session
+// 24, 32 registers) 32.0 -> 28.8, 32.0 -> 27.2, 239.7 -> 207.8. (Session 15's
 // square kernel loaded each lane's rows straight from global memory, 32 lines a warp load,
 // and was slower on two of three shapes.)
 template <int EB> __device__ __forceinline__ u32 sq_tile_addr(int r, int p) {
@@ -232,8 +114,8 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
                                                   u16* scales, int N, int K, int G, int bits, const float* bs,
                                                   int bcols) {
     constexpr int EB = ElemBytes<DT>::v, BK = QP_BK, QUARTERS = BK / 32;
-    static_assert(QUARTERS == 2 && (EB == 1 || EB == 2), "64-input tiles of fp8 or 16-bit rows");
-    __shared__ __align__(128) u8 tile[QP_BN * BK * EB];
+    static_assert(QUARTERS == 2, "64-input tiles");
+    extern __shared__ __align__(128) u8 tile[];  // QP_BN * BK * EB bytes (ops.rs pack_smem)
     __shared__ float2 prm[2][QP_BN];  // (1/scale, zero) of the tile's groups, row r at (r % 8)·32 + r / 8
     const int tid = threadIdx.x;
     const PackTile t = pack_tile(K, G);
@@ -253,6 +135,7 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
                 if (r0 + 32 * i < rows) {
                     if (EB == 1) cp_async8_s(dst, src);
                     else cp_async16_s(dst, src, 16);
+                    if (EB == 4) cp_async16_s(dst + 16, src + 16, 16);  // an f32 run is 32 bytes
                 }
                 src += step;
             }
@@ -291,17 +174,23 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
 #pragma unroll
     for (int m = 0; m < 4; m++) {
         float v0[8], v1[8];
-        uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+        // The two rows' runs as decode_run reads a row's loaded words (f32: two 16-byte words).
+        uint4 a[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)}, b[2] = {a[0], a[1]};
+        const u8* ta = tile + sq_tile_addr<EB>(8 * c + 2 * m, warp);
+        const u8* tb = tile + sq_tile_addr<EB>(8 * c + 2 * m + 1, warp);
         if (EB == 1) {
-            const uint2 a2 = *(const uint2*)(tile + sq_tile_addr<EB>(8 * c + 2 * m, warp));
-            const uint2 b2 = *(const uint2*)(tile + sq_tile_addr<EB>(8 * c + 2 * m + 1, warp));
-            a.x = a2.x, a.y = a2.y, b.x = b2.x, b.y = b2.y;
+            const uint2 a2 = *(const uint2*)ta, b2 = *(const uint2*)tb;
+            a[0].x = a2.x, a[0].y = a2.y, b[0].x = b2.x, b[0].y = b2.y;
         } else {
-            a = *(const uint4*)(tile + sq_tile_addr<EB>(8 * c + 2 * m, warp));
-            b = *(const uint4*)(tile + sq_tile_addr<EB>(8 * c + 2 * m + 1, warp));
+            a[0] = *(const uint4*)ta;
+            b[0] = *(const uint4*)tb;
+            if (EB == 4) {
+                a[1] = *(const uint4*)(ta + 16);
+                b[1] = *(const uint4*)(tb + 16);
+            }
         }
-        decode_run<DT>(&a, 0, v0);
-        decode_run<DT>(&b, 0, v1);
+        decode_run<DT>(a, 0, v0);
+        decode_run<DT>(b, 0, v1);
         // The two rows' grids as the quantizer reads them (1/scale and zero only).
         const float2 g0 = pr[(2 * m) * 32], g1 = pr[(2 * m + 1) * 32];
         const GroupParams p0{0.0f, g0.x, g0.y, 0.0f}, p1{0.0f, g1.x, g1.y, 0.0f};
@@ -317,13 +206,6 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
     for (int j = 0; j < 8; j++, dst += NW) *dst = words[j];
 }
 
-#define FORGE_QPACK_ENTRY(SUF, DT)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) awq_quant_pack_##SUF(                              \
-        const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K, int G,     \
-        int bits, const float* bs, int bcols) {                                                          \
-        awq_quant_pack_impl<DT>(w, qmeta, qweight, qzeros, scales, N, K, G, bits, bs, bcols);           \
-    }
-FORGE_QPACK_ENTRY(f32, FORGE_DT_F32)
 // At most 32 registers (no spills): 8 fp8 blocks an SM, so the expert shapes' 896 blocks run
 // in one wave (at 40 registers, 6 an SM, 1.13 waves): 7168x2048 FP8 with block scales 10.1 ->
 // 9.8 µs, 2048x7168 9.9 -> 9.5, 18432x7168 equal, bf16 2-4 % faster (H100, kernel alone).
@@ -336,6 +218,7 @@ FORGE_QPACK_ENTRY(f32, FORGE_DT_F32)
 FORGE_QPACK_SQ_ENTRY(f16, FORGE_DT_F16)
 FORGE_QPACK_SQ_ENTRY(bf16, FORGE_DT_BF16)
 FORGE_QPACK_SQ_ENTRY(f8e4m3, FORGE_DT_F8E4M3)
+FORGE_QPACK_SQ_ENTRY(f32, FORGE_DT_F32)
 
 // codes [K, N] u8 -> AWQ qweight [K, N/8]; one word per thread.
 extern "C" __global__ void awq_pack_codes(const u8* codes, u32* qweight, int K, int N) {

@@ -144,6 +144,9 @@ pub fn dynamic_smem_limit(name: &str) -> Option<usize> {
         Some(crate::ops::HESSIAN_WG_SMEM as usize)
     } else if name.starts_with("w4a16_wg") {
         Some(crate::ops::W4A16_WG_SMEM_ALONE as usize)
+    } else if name == "awq_quant_pack_f32" {
+        // 64 KB of row tiles (the other dtypes' 16 / 32 KB are under the default 48 KB).
+        Some(crate::ops::pack_smem(crate::ops::DType::F32) as usize)
     } else {
         None
     }

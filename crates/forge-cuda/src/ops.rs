@@ -56,7 +56,7 @@ pub enum DType {
 
 impl DType {
     /// Bytes per element.
-    pub fn size(self) -> usize {
+    pub const fn size(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::Bf16 => 2,
@@ -450,14 +450,19 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
     let grid = (blocks(k, PACK_TILE_K)?, blocks(n, PACK_TILE_N)?, 1);
     // One thread a row of the tile.
     let block = (PACK_TILE_N as u32, 1, 1);
-    // SAFETY: parameter list matches awq_quant_pack_<dt>.
-    unsafe { launch(dev, f, grid, block, 0, s.handle, &mut p) }
+    // SAFETY: parameter list matches awq_quant_pack_<dt>; its row tiles take `pack_smem` bytes.
+    unsafe { launch(dev, f, grid, block, pack_smem(a.dtype), s.handle, &mut p) }
 }
 
 /// Inputs of a row per block of `awq_quant_pack_<dt>` (pack.cu `QP_BK`, every dtype).
 const PACK_TILE_K: usize = 64;
 /// Rows per block of `awq_quant_pack_<dt>` (pack.cu `QP_BN`), one thread each.
 const PACK_TILE_N: usize = 256;
+
+/// Dynamic shared memory of `awq_quant_pack_<dt>`: its block's row tiles (16, 32 or 64 KB).
+pub(crate) const fn pack_smem(dt: DType) -> u32 {
+    (PACK_TILE_N * PACK_TILE_K * dt.size()) as u32
+}
 
 /// Packs `a.codes [K, N]` with their grid into the AWQ layout of `out` (see [`PackCodes`]
 /// and [`PackedOut`]). Bit-identical to `forge_core::pack::pack_awq` for codes ≤ 15. Every
