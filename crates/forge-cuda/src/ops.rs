@@ -603,8 +603,9 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 /// Tuning knobs from the environment, read once per process (never per launch):
 /// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0|1` (the Hopper wgmma kernel
 /// off, or on for every M > 4 whose shape it takes), `FORGE_GEMM_WG_SPLITS=1..8` (its K
-/// splits) and `FORGE_GEMM_WG_CLUSTER=0|1` (its splits summed through a split-K workspace and
-/// a second kernel, or in a thread block cluster whenever the device can launch one).
+/// splits), `FORGE_GEMM_WG_CLUSTER=0|1` (its splits summed through a split-K workspace and
+/// a second kernel, or in a thread block cluster whenever the device can launch one) and
+/// `FORGE_TILED_WARPS=4..16` (the tiled GEMV's warps a block).
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
@@ -612,6 +613,7 @@ struct Knobs {
     gemm_wg: Option<usize>,
     gemm_wg_splits: Option<usize>,
     gemm_wg_cluster: Option<usize>,
+    tiled_warps: Option<usize>,
 }
 
 fn knobs() -> Knobs {
@@ -629,6 +631,10 @@ fn knobs() -> Knobs {
             gemm_wg: read("FORGE_GEMM_WG", &[0, 1]),
             gemm_wg_splits: read("FORGE_GEMM_WG_SPLITS", &[1, 2, 3, 4, 5, 6, 7, 8]),
             gemm_wg_cluster: read("FORGE_GEMM_WG_CLUSTER", &[0, 1]),
+            tiled_warps: read(
+                "FORGE_TILED_WARPS",
+                &(4..=TILED_MAX_WARPS).collect::<Vec<_>>(),
+            ),
         }
     })
 }
@@ -1462,7 +1468,7 @@ pub(crate) const TILED_MAX_WARPS: usize = 16;
 const TILED_WAVE_GROUPS: usize = 4;
 
 /// The tiled GEMV's kernel and warps a block for a shape (`FORGE_TILED_WARPS`, a tuning aid,
-/// forces the count), cached per (device, kernel, N, K, G).
+/// forces the count; see [`Knobs`]), cached per (device, kernel, N, K, G).
 fn tiled_plan(
     dev: &Device,
     name: &'static str,
@@ -1471,17 +1477,11 @@ fn tiled_plan(
     group_size: usize,
 ) -> Result<(usize, Func)> {
     static PLANS: PlanCache<(usize, &'static str, usize, usize, usize), usize> = OnceLock::new();
-    static KNOB: OnceLock<Option<usize>> = OnceLock::new();
-    let knob = *KNOB.get_or_init(|| {
-        std::env::var("FORGE_TILED_WARPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    });
     let (warps, f, _) = cached_plan(&PLANS, (dev.ordinal, name, n, k, group_size), || {
         let f = dev.function(name)?;
         let sms = dev.sm_count.max(1) as usize;
-        let warps = match knob {
-            Some(w) => w.clamp(4, TILED_MAX_WARPS),
+        let warps = match knobs().tiled_warps {
+            Some(w) => w,
             None => tiled_warps(sms, n / TILE_N, k / group_size, |w| {
                 dev.occupancy(f, (32 * w) as u32, 0)
             }),
