@@ -342,6 +342,19 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return r;
 }
 
+// 32 / 16 bits from a shared-window address (volatile: kept in order with the barriers and
+// fences around them, which are volatile asm or barrier intrinsics too).
+__device__ __forceinline__ u32 lds_u32(u32 a) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ u16 lds_u16(u32 a) {
+    u16 v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(a));
+    return v;
+}
+
 // ---- tensor cores (sm_80+): cp.async, ldmatrix, mma.sync (m16n8k8 TF32, m16n8k16 f16/bf16), fp32 accumulate ----
 // 16 bytes global -> shared at a shared-window address (src_bytes < 16 zero-fills the rest).
 __device__ __forceinline__ void cp_async16_s(u32 saddr, const void* gmem, int src_bytes) {

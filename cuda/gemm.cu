@@ -348,10 +348,17 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     wg_fence_acc(acc);
 
     const int col = 4 * warp + (g & 3);  // this thread's word column within the block
+    const int nib = 4 * wg + 2 * h;       // its rows g and g + 8: nibbles nib and nib + 1
     const u32 MAGIC = BF ? 0x43004300u : 0x64006400u;
     // prmt selector: byte 2·wg + h of the k = 2t (2t+8) word to byte 0, of the 2t+1 (2t+9) word to
     // byte 2 (this warpgroup's tile is nibbles 4·wg + 2h and 4·wg + 2h + 1 of the column).
     const u32 sel = (2 * wg + h) | ((4 + 2 * wg + h) << 8);
+    // Shared-window addresses in stage 0, computed once: this thread's weight word at k = 2t of
+    // step 0, its column's zero-point word, and nibble nib's scale (nib + 1's is 4 bytes on:
+    // AWQ's scale order puts nibbles 2m and 2m + 1 at 2m and 2m + 2 of the 8).
+    const u32 w_rd = smem_u32(Ws) + 4 * (2 * t * WG_WSTR + col);
+    const u32 z_rd = smem_u32(Ms) + 4 * col;
+    const u32 s_rd = smem_u32(Ms) + 64 + 2 * (8 * col + 2 * (nib & 3) + (nib >> 2));
     u32 zm[2], s2[2];
     int dq_pos = (kbeg % G) / WG_BK;  // this stage's place in its group (0: new constants)
     // A fragments of each 16-deep step of a stage: the MMAs read them asynchronously, so a
@@ -378,17 +385,13 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         cp_async_commit();
         const int st = tt % WG_ST;
         if (tt == 0 || dq_pos == 0) {
-            const u32* ms = Ms + st * WG_MWORDS;
-            const u32 zw = ms[col];
-            const u16* scs = (const u16*)(ms + 16) + 8 * col;
+            const u32 mo = st * (4 * WG_MWORDS);
+            const u32 zw = lds_u32(z_rd + mo);
 #pragma unroll
-            for (int q = 0; q < 2; q++) {
-                const int nib = 4 * wg + 2 * h + q;
-                dq_consts<BF>(zw, nib, scs[2 * (nib & 3) + (nib >> 2)], zm[q], s2[q]);
-            }
+            for (int q = 0; q < 2; q++) dq_consts<BF>(zw, nib + q, lds_u16(s_rd + mo + 4 * q), zm[q], s2[q]);
         }
         if (++dq_pos == spg) dq_pos = 0;
-        const u32* ws = Ws + st * WG_WWORDS + col;
+        const u32 ws = w_rd + st * (4 * WG_WWORDS);
         const u64 xd = x_desc + (u64)((st * WG_XBYTES) >> 4);
         // Each step's four weight words are read one step ahead, before the previous step's
         // fence (whose memory clobber holds later reads behind it): a step's dequantization
@@ -396,11 +399,11 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         // quarter of the loop's stalls). Only the stage's first read follows the barrier.
         u32 w4[4];
         auto read_step = [&](int kk) {
-            const u32* r0 = ws + (16 * kk + 2 * t) * WG_WSTR;
-            w4[0] = r0[0];
-            w4[1] = r0[WG_WSTR];
-            w4[2] = r0[8 * WG_WSTR];
-            w4[3] = r0[9 * WG_WSTR];
+            const u32 r0 = ws + 4 * 16 * kk * WG_WSTR;
+            w4[0] = lds_u32(r0);
+            w4[1] = lds_u32(r0 + 4 * WG_WSTR);
+            w4[2] = lds_u32(r0 + 4 * 8 * WG_WSTR);
+            w4[3] = lds_u32(r0 + 4 * 9 * WG_WSTR);
         };
         read_step(0);
 #pragma unroll
