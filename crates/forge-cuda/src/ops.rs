@@ -1207,7 +1207,7 @@ pub struct W4a16Gemm {
     pub group_size: usize,
     /// i32 `[K, N/8]` AWQ-packed codes (see [`PackedOut::qweight`]), 16-byte aligned.
     pub qweight: u64,
-    /// i32 `[K/G, N/8]` AWQ-packed zero points, 4-byte aligned.
+    /// i32 `[K/G, N/8]` AWQ-packed zero points, 16-byte aligned.
     pub qzeros: u64,
     /// f16 `[K/G, N]` group scales, 16-byte aligned.
     pub scales: u64,
@@ -1236,7 +1236,8 @@ impl W4a16Gemm {
         to_i32("k", self.k)?;
         check_align("x", self.x, 16)?;
         check_align("qweight", self.qweight, 16)?;
-        check_align("qzeros", self.qzeros, 4)?;
+        // 16: the tiled and wgmma kernels copy it in 16-byte chunks (cp.async).
+        check_align("qzeros", self.qzeros, 16)?;
         check_align("scales", self.scales, 16)?;
         check_align("y", self.y, 2)?;
         Ok(())
@@ -2861,6 +2862,8 @@ mod tests {
         assert_eq!(bad(W4a16Gemm { x: 264, ..a }), "x");
         assert_eq!(bad(W4a16Gemm { qweight: 264, ..a }), "qweight");
         assert_eq!(bad(W4a16Gemm { qzeros: 258, ..a }), "qzeros");
+        // 4-byte aligned is not enough: the kernels copy it in 16-byte chunks.
+        assert_eq!(bad(W4a16Gemm { qzeros: 260, ..a }), "qzeros");
         assert_eq!(bad(W4a16Gemm { scales: 264, ..a }), "scales");
         assert_eq!(bad(W4a16Gemm { y: 257, ..a }), "y");
         // The launch itself rejects them too, whatever the machine.
