@@ -448,7 +448,7 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
     let (mut bs, mut bcols) = (a.block_scale, to_i32("k", k.div_ceil(FP8_BLOCK))?);
     let mut p = args!(pw, pm, pqw, pqz, psc, nn, kk, g, bits, bs, bcols);
     let grid = (blocks(k, PACK_TILE_K)?, blocks(n, PACK_TILE_N)?, 1);
-    // One thread a row of the tile.
+    // As many threads as rows: thread t decodes row t's grid, a lane quantizes 8 rows × 8 inputs.
     let block = (PACK_TILE_N as u32, 1, 1);
     // SAFETY: parameter list matches awq_quant_pack_<dt>; its row tiles take `pack_smem` bytes.
     unsafe { launch(dev, f, grid, block, pack_smem(a.dtype), s.handle, &mut p) }
@@ -456,7 +456,7 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
 
 /// Inputs of a row per block of `awq_quant_pack_<dt>` (pack.cu `QP_BK`, every dtype).
 const PACK_TILE_K: usize = 64;
-/// Rows per block of `awq_quant_pack_<dt>` (pack.cu `QP_BN`), one thread each.
+/// Rows per block of `awq_quant_pack_<dt>` (pack.cu `QP_BN`), and its threads.
 const PACK_TILE_N: usize = 256;
 
 /// Dynamic shared memory of `awq_quant_pack_<dt>`: its block's row tiles (16, 32 or 64 KB).
