@@ -62,6 +62,7 @@ def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool
     def best(fn) -> float:
         return min(fn() for _ in range(reps)) * 1e6
 
+    plan = getattr(forge._native, "w4a16_plan", None)
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cache: dict = {}
@@ -80,6 +81,8 @@ def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool
             "ysum": float(y.double().sum()),
             # the plan's split-K workspace (0: K not split, or split within a cluster)
             "workspace_bytes": forge._native.w4a16_workspace_bytes(x.device.index or 0, m, n, k, G),
+            # the kernel, grid and K splits launched (None from wheels older than the query)
+            "plan": plan(x.device.index or 0, True, m, n, k, G) if plan else None,
         }
 
         contestants = {"": awq_maker(qw, qz, sc, tiled)}

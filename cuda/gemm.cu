@@ -229,8 +229,9 @@ FORGE_GEMM_ENTRY(bf16, 2, true)
 FORGE_GEMM_ENTRY(bf16, 4, true)
 
 // ---- Hopper: wgmma (sm_90a), M > 16 --------------------------------------------------------
-// yᵀ = W · xᵀ per block: 128 outputs n (16 word columns) × 128 rows of x (tokens), two
-// warpgroups, one m64 tile of the outputs each. The weights are the MMA's A operand, dequantized
+// yᵀ = W · xᵀ per block: 128 outputs n (16 word columns) × TN rows of x (tokens: 128, 64 or 32,
+// the entry point's _t<TN>; ops.rs takes the smallest that holds M), two warpgroups, one m64
+// tile of the outputs each, its MMAs m64n<TN>k16. The weights are the MMA's A operand, dequantized
 // into registers; x is B, read by the MMA from shared memory (K-major, 128-byte swizzle: 16-byte
 // chunk c of row r at chunk c ^ (r % 8)). A thread of warpgroup j (warp w, groupID g,
 // thread-in-group t) owns word column 4w + g%4 and reads its words at k = 2t, 2t+1, 2t+8, 2t+9 of
@@ -240,32 +241,49 @@ FORGE_GEMM_ENTRY(bf16, 4, true)
 // through a WG_ST-stage cp.async pipeline; each 16-deep step is one MMA group, and three stay in
 // flight while the next steps' fragments are dequantized (four register buffers). Needs N % 128 == 0,
 // K % 64 == 0 and G % 64 == 0 (ops.rs routes other shapes to the tiled kernel). Split-K as there.
-#define WG_T 128
 #define WG_BK 64
 #define WG_ST 4
 #define WG_WSTR 20                      // words per k row of a weight stage (16 + 4: no bank conflicts)
-#define WG_XBYTES (WG_T * WG_BK * 2)    // one x stage: 128 rows of 128 bytes
 #define WG_WWORDS (WG_BK * WG_WSTR)     // one weight stage
 #define WG_MWORDS 80                    // one stage's group metadata: 16 zero words, 128 f16 scales
-#define WG_EPI_STR 132                  // floats per row of the epilogue's [128 tokens][128 n] tile
+#define WG_EPI_STR 132                  // floats per row of the epilogue's [TN tokens][128 n] tile
 #define WG_THREADS 256                  // two warpgroups: tile j of the two m64 tiles is warpgroup j's
 // `split_out` (WG_OUT_* from the generated header, ops.rs): the outputs in y (K not split), this
 // split's fp32 partials in the workspace (summed by w4a16_reduce_*), or the splits of a cluster
 // summed through distributed shared memory into y.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// d += A·B with A (the dequantized weights) from registers a[0..4), B (x) from shared memory
-// (descriptor db), K-major.
-#define FORGE_WG_RS(DT)                                                                                     \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                             \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." DT "." DT " " FORGE_WG_ACC_REGS              \
-                 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                             \
-                 : FORGE_WG_ACC_OPS(d)                                                                       \
+// d += A·B with A (the dequantized weights) from registers a[0..4), B (x, TN tokens) from
+// shared memory (descriptor db), K-major: m64n128k16, m64n64k16 or m64n32k16. A0: the operand
+// number of a[0] (after the TN / 2 accumulators).
+#define FORGE_WG_RS(N, DT, REGS, OPS, A0, A1, A2, A3, DB, SC)                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SC ", 0;\n"                                         \
+                 "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." DT "." DT " " REGS ", {%" A0 ", %" A1      \
+                 ", %" A2 ", %" A3 "}, %" DB ", p, 1, 1, 0;\n}\n"                                             \
+                 : OPS(d)                                                                                  \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
-template <bool BF>
-__device__ __forceinline__ void wgmma_rs_m64n128k16(float d[64], const u32 a[4], u64 db) {
-    if (BF) FORGE_WG_RS("bf16");
-    else FORGE_WG_RS("f16");
+#define FORGE_WG_RS128(DT) \
+    FORGE_WG_RS("128", DT, FORGE_WG_ACC_REGS, FORGE_WG_ACC_OPS, "64", "65", "66", "67", "68", "69")
+#define FORGE_WG_RS64(DT) \
+    FORGE_WG_RS("64", DT, FORGE_WG_ACC32_REGS, FORGE_WG_ACC32_OPS, "32", "33", "34", "35", "36", "37")
+#define FORGE_WG_RS32(DT) \
+    FORGE_WG_RS("32", DT, FORGE_WG_ACC16_REGS, FORGE_WG_ACC16_OPS, "16", "17", "18", "19", "20", "21")
+template <bool BF, int TN>
+__device__ __forceinline__ void wgmma_rs_m64k16(float (&d)[TN / 2], const u32 a[4], u64 db) {
+    if constexpr (TN == 128) {
+        if (BF) FORGE_WG_RS128("bf16");
+        else FORGE_WG_RS128("f16");
+    } else if constexpr (TN == 64) {
+        if (BF) FORGE_WG_RS64("bf16");
+        else FORGE_WG_RS64("f16");
+    } else {
+        static_assert(TN == 32, "wgmma token tiles: 32, 64 or 128");
+        if (BF) FORGE_WG_RS32("bf16");
+        else FORGE_WG_RS32("f16");
+    }
 }
+#undef FORGE_WG_RS128
+#undef FORGE_WG_RS64
+#undef FORGE_WG_RS32
 #undef FORGE_WG_RS
 // Marks registers as used (and changed) here, so that their values, read by MMAs still in
 // flight, are not moved and their registers not given to other values before this point.
@@ -274,22 +292,24 @@ __device__ __forceinline__ void wg_keep(u32 (&r)[4]) {
 }
 #endif
 
-template <bool BF>
+template <bool BF, int TN>
 __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
                                               const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
                                               int M, int N, int K, int G, int k_chunk, int split_out) {
     pdl_launch_dependents();  // the split-K reduction's launch may overlap this grid's tail
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int XB = TN * WG_BK * 2;  // one x stage: TN rows of 128 bytes
+    constexpr int XI = TN / 32;         // x chunks a thread loads a stage
     extern __shared__ __align__(16) u8 wg_smem[];
     // x stages first, each on a 1024-byte boundary (where the swizzle pattern repeats).
     u8* Xs = wg_smem + ((1024 - (smem_u32(wg_smem) & 1023)) & 1023);
-    u32* Ws = (u32*)(Xs + WG_ST * WG_XBYTES);
+    u32* Ws = (u32*)(Xs + WG_ST * XB);
     u32* Ms = Ws + WG_ST * WG_WWORDS;
     const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
     const int g = lane >> 2, t = lane & 3, h = g >> 2;
     const int NW = N >> 3;
     const int wc0 = blockIdx.x * 16;
-    const int m0 = blockIdx.y * WG_T;
+    const int m0 = blockIdx.y * TN;
     const int kbeg = blockIdx.z * k_chunk;
     const int kend = min(K, kbeg + k_chunk);
     const int ntiles = (kend - kbeg) / WG_BK;
@@ -304,8 +324,8 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     const u32 x_dst = smem_u32(Xs) + xr * 128 + ((xch ^ (xr & 7)) << 4);
     const u16* xg = x + (i64)(m0 + xr) * K + kbeg + 8 * xch;
     const i64 x32 = (i64)32 * K;  // 32 rows of x
-    const bool x_full = m0 + WG_T <= M;
-    const int x_rows = min(4, max(0, (M - m0 - xr + 31) / 32));  // chunks i < x_rows hold real rows
+    const bool x_full = m0 + TN <= M;
+    const int x_rows = min(XI, max(0, (M - m0 - xr + 31) / 32));  // chunks i < x_rows hold real rows
     const u32 w_dst = smem_u32(Ws) + 4 * ((tid >> 2) * WG_WSTR + 4 * (tid & 3));
     const u32* wgp = qw + (i64)(kbeg + (tid >> 2)) * NW + wc0 + 4 * (tid & 3);
     const u32* m_src = tid < 4 ? qz + wc0 + 4 * tid : (const u32*)(sc + 8 * (wc0 + tid - 4));
@@ -314,17 +334,17 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     int load_pos = (kbeg % G) / WG_BK;
     const u32* m_cur = m_src + (i64)(kbeg / G) * m_step;
     auto load_stage = [&](int stage) {
-        const u32 xs = x_dst + stage * WG_XBYTES;
+        const u32 xs = x_dst + stage * XB;
         if (x_full) {
             const u16* p = xg;
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < XI; i++) {
                 cp_async16_s(xs + 4096 * i, p, 16);
                 p += x32;
             }
         } else {
 #pragma unroll
-            for (int i = 0; i < 4; i++) cp_async16_s(xs + 4096 * i, i < x_rows ? xg + x32 * i : x, i < x_rows ? 16 : 0);
+            for (int i = 0; i < XI; i++) cp_async16_s(xs + 4096 * i, i < x_rows ? xg + x32 * i : x, i < x_rows ? 16 : 0);
         }
         xg += WG_BK;
         cp_async16_s(w_dst + stage * (4 * WG_WWORDS), wgp, 16);
@@ -342,9 +362,9 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     // prefetched lines outrun the L2; the first two stages no faster than none. README.)
     pdl_wait();
 
-    float acc[64];
+    float acc[TN / 2];
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+    for (int i = 0; i < TN / 2; i++) acc[i] = 0.0f;
     wg_fence_acc(acc);
 
     const int col = 4 * warp + (g & 3);  // this thread's word column within the block
@@ -392,7 +412,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         }
         if (++dq_pos == spg) dq_pos = 0;
         const u32 ws = w_rd + st * (4 * WG_WWORDS);
-        const u64 xd = x_desc + (u64)((st * WG_XBYTES) >> 4);
+        const u64 xd = x_desc + (u64)((st * XB) >> 4);
         // Each step's four weight words are read one step ahead, before the previous step's
         // fence (whose memory clobber holds later reads behind it): a step's dequantization
         // then finds them loaded instead of waiting on shared memory (ncu: those waits were a
@@ -418,7 +438,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
                 ab[r] = dq2<BF>(and_or(v, 0x000F000Fu, MAGIC), zm[r & 1], s2[r & 1]);
             }
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            wgmma_rs_m64n128k16<BF>(acc, ab, xd + 2 * kk);
+            wgmma_rs_m64k16<BF, TN>(acc, ab, xd + 2 * kk);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             // The group of three steps ago, which read the next buffer, is done: only now may
             // those registers be reused (the fence keeps them live until here).
@@ -435,7 +455,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     // warpgroup's tile (nibble 4·wg + 2h + c/2 of word column col) and token 8q + 2t + c%2.
     float* S = (float*)Xs;
 #pragma unroll
-    for (int q = 0; q < 16; q++)
+    for (int q = 0; q < TN / 8; q++)
 #pragma unroll
         for (int c = 0; c < 4; c++) {
             const int nib = 4 * wg + 2 * h + (c >> 1);
@@ -456,7 +476,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         // workspace) through distributed shared memory: no partials in global memory, no second
         // kernel.
         cluster_sync();
-        const int splits = gridDim.z, rows = min(WG_T, M - m0);
+        const int splits = gridDim.z, rows = min(TN, M - m0);
         const u32 rank = cluster_ctarank(), s_base = smem_u32(S);
         for (int i = tid;; i += WG_THREADS) {
             const int r = (int)rank + splits * (i >> 5), c4 = 4 * (i & 31);
@@ -480,7 +500,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         cluster_sync_relaxed();  // the other blocks read this block's tile until here
         return;
     }
-    for (int i = tid; i < WG_T * 32; i += WG_THREADS) {
+    for (int i = tid; i < TN * 32; i += WG_THREADS) {
         const int r = i >> 5, c4 = 4 * (i & 31);
         if (m0 + r >= M) break;
         const float4 v = *(const float4*)&S[r * WG_EPI_STR + c4];
@@ -493,14 +513,18 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
 #endif
 }
 
-#define FORGE_GEMM_WG_ENTRY(SUF, BF)                                                                       \
-    extern "C" __global__ void __launch_bounds__(WG_THREADS) w4a16_wg_##SUF(                                     \
+#define FORGE_GEMM_WG_ENTRY(SUF, BF, TN)                                                                   \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS) w4a16_wg_##SUF##_t##TN(                       \
         const u16* x, const u32* qw, const u32* qz, const u16* sc, void* out, int M, int N, int K, int G,  \
         int k_chunk, int split_out) {                                                                      \
-        w4a16_wg_impl<BF>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out);                              \
+        w4a16_wg_impl<BF, TN>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out);                          \
     }
-FORGE_GEMM_WG_ENTRY(f16, false)
-FORGE_GEMM_WG_ENTRY(bf16, true)
+FORGE_GEMM_WG_ENTRY(f16, false, 128)
+FORGE_GEMM_WG_ENTRY(bf16, true, 128)
+FORGE_GEMM_WG_ENTRY(f16, false, 64)
+FORGE_GEMM_WG_ENTRY(bf16, true, 64)
+FORGE_GEMM_WG_ENTRY(f16, false, 32)
+FORGE_GEMM_WG_ENTRY(bf16, true, 32)
 
 // Sum of split-K partials ws[splits, MN] in split order, converted to the output dtype; four
 // outputs a thread (16-byte loads) when `vec` (MN % 4 == 0; ops.rs sets it for large MN, where

@@ -604,8 +604,9 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 /// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0|1` (the Hopper wgmma kernel
 /// off, or on for every M > 4 whose shape it takes), `FORGE_GEMM_WG_SPLITS=1..8` (its K
 /// splits), `FORGE_GEMM_WG_CLUSTER=0|1` (its splits summed through a split-K workspace and
-/// a second kernel, or in a thread block cluster whenever the device can launch one) and
-/// `FORGE_TILED_WARPS=4..16` (the tiled GEMV's warps a block).
+/// a second kernel, or in a thread block cluster whenever the device can launch one),
+/// `FORGE_GEMM_WG_TOKENS=32|64|128` (its tokens a block) and `FORGE_TILED_WARPS=4..16` (the
+/// tiled GEMV's warps a block).
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
@@ -613,6 +614,7 @@ struct Knobs {
     gemm_wg: Option<usize>,
     gemm_wg_splits: Option<usize>,
     gemm_wg_cluster: Option<usize>,
+    gemm_wg_tokens: Option<usize>,
     tiled_warps: Option<usize>,
 }
 
@@ -631,6 +633,7 @@ fn knobs() -> Knobs {
             gemm_wg: read("FORGE_GEMM_WG", &[0, 1]),
             gemm_wg_splits: read("FORGE_GEMM_WG_SPLITS", &[1, 2, 3, 4, 5, 6, 7, 8]),
             gemm_wg_cluster: read("FORGE_GEMM_WG_CLUSTER", &[0, 1]),
+            gemm_wg_tokens: read("FORGE_GEMM_WG_TOKENS", &WG_TOKENS),
             tiled_warps: read(
                 "FORGE_TILED_WARPS",
                 &(4..=TILED_MAX_WARPS).collect::<Vec<_>>(),
@@ -662,8 +665,8 @@ enum GemmKernel {
     Gemv3 { rows: usize },
     /// `w4a16_awq_<dt>_m<mt>`: mma.sync tiles of `mt` m16 tiles per block.
     Tiled { mt: usize },
-    /// `w4a16_wg_<dt>`: Hopper wgmma (M > 16).
-    Wgmma,
+    /// `w4a16_wg_<dt>_t<tokens>`: Hopper wgmma (M > 16), `tokens` (32, 64 or 128) a block.
+    Wgmma { tokens: usize },
 }
 
 impl GemmKernel {
@@ -675,7 +678,7 @@ impl GemmKernel {
     /// kernel's tail; it calls `pdl_wait` before it touches memory. (The decode GEMV measured
     /// slower so after a torch kernel: crates/forge-cuda/README.md, "Programmatic launch".)
     fn programmatic(self) -> bool {
-        self == GemmKernel::Wgmma
+        matches!(self, GemmKernel::Wgmma { .. })
     }
 }
 
@@ -746,11 +749,13 @@ fn gemv3_splits(base: usize, slots: usize, k: usize) -> (usize, usize) {
 /// Smallest M the Hopper wgmma kernel takes by default (`FORGE_GEMM_WG=1`: every M above
 /// [`GEMV3_MAX_M`]).
 const WG_MIN_M: usize = 17;
-/// Outputs per block, tokens per block and K per stage of the wgmma kernel (cuda/gemm.cu
-/// `WG_T`, `WG_BK`; 16 word columns a block).
+/// Outputs per block and K per stage of the wgmma kernel (cuda/gemm.cu `WG_BK`; 16 word
+/// columns a block).
 const WG_BN: usize = 128;
-const WG_BM: usize = 128;
 const WG_BK: usize = 64;
+/// The wgmma kernel's token tiles (`w4a16_wg_<dt>_t<tokens>`: its MMAs are m64n<tokens>k16),
+/// largest first.
+const WG_TOKENS: [usize; 3] = [128, 64, 32];
 /// Threads per block of the wgmma kernel: two warpgroups (cuda/gemm.cu `WG_THREADS`).
 const WG_THREADS: usize = 256;
 /// Most K splits of the wgmma kernel (bounds its fp32 workspace to 8·M·N floats).
@@ -762,10 +767,11 @@ pub(crate) const WG_OUT_Y: i32 = 0;
 pub(crate) const WG_OUT_PARTIALS: i32 = 1;
 pub(crate) const WG_OUT_CLUSTER: i32 = 2;
 
-/// Dynamic shared memory of `w4a16_wg_<dt>`: 4 stages of a 128 × 64 x tile (16 KB), a
+/// Dynamic shared memory of `w4a16_wg_<dt>_t128`: 4 stages of a 128 × 64 x tile (16 KB), a
 /// 64 × 20-word weight tile and 80 words of group metadata, plus 1 KB to start the x tiles on
 /// a 1024-byte boundary (where the 128-byte swizzle repeats). The epilogue's 128 × 132 fp32
-/// tile reuses the first 67.6 KB.
+/// tile reuses the first 67.6 KB. The smaller token tiles use less of the same amount, so that
+/// every tile runs two blocks an SM (their registers would allow no more than three).
 pub(crate) const W4A16_WG_SMEM: u32 = 1024 + 4 * (128 * 64 * 2 + 64 * 20 * 4 + 80 * 4);
 /// Shared memory of an sm_90 SM (H100, H200), of which each resident block also takes 1 KB.
 const SM90_SMEM_PER_SM: u32 = 228 * 1024;
@@ -807,6 +813,31 @@ fn wg_stage_us(blocks: usize, sms: usize) -> f64 {
     0.96 * full as f64 + last
 }
 
+/// The wgmma kernel's token tile for M: the smallest that holds M in one block, else 128.
+/// A smaller tile's MMAs are narrower, but every block dequantizes its weights again, and the
+/// dequantization, not the MMAs, holds most of a stage: on an H100 (README, "Token tiles of 32
+/// and 64"), with M in one block, 32- and 64-token tiles ran 1.1–1.4× faster than 128 at M = 32
+/// and 1.1–1.3× at M = 48 / 64, while two 64-token blocks instead of one of 128 ran
+/// 0.65–0.82× at M = 96 / 128.
+fn wg_tokens(m: usize) -> usize {
+    WG_TOKENS
+        .into_iter()
+        .filter(|&t| t >= m)
+        .min()
+        .unwrap_or(WG_TOKENS[0])
+}
+
+/// A stage of `tokens` tokens against one of 128 ([`wg_stage_us`]), measured on an H100 at
+/// the same grid (M = 32: 7168×2048, 8 splits; 16384×7168, 7 splits; 7168×18432, 7 splits):
+/// 0.74–0.84 for 32 tokens, 0.81–0.88 for 64.
+fn wg_tokens_cost(tokens: usize) -> f64 {
+    match tokens {
+        32 => 0.78,
+        64 => 0.84,
+        _ => 1.0,
+    }
+}
+
 /// K splits of the wgmma kernel for `base` blocks per split on `sms` SMs, `stages` 64-deep
 /// stages and `outputs` = M·N: the split count with the least estimated time, `clustered(s)`
 /// saying whether `s` splits would be summed in a thread block cluster. The loop by
@@ -816,16 +847,18 @@ fn wg_stage_us(blocks: usize, sms: usize) -> f64 {
 /// DeepSeek-V3 shapes at M = 64 … 512 (H100, README "The split count against every forced
 /// split") it keeps the per-SM model's pick on 42 of 48 rows, is 3–13 % faster on five
 /// (7168×18432 at M = 256: 179 → 157 µs) and 4–6 % slower on one (7168×18432 at M = 64, where
-/// it prices 3 and 4 splits 0.2 µs apart).
+/// it prices 3 and 4 splits 0.2 µs apart). Stages cost `stage_cost` times a 128-token stage
+/// ([`wg_tokens_cost`]). Returns the split count and its estimated µs.
 fn wg_splits(
     base: usize,
     sms: usize,
     stages: usize,
     outputs: usize,
+    stage_cost: f64,
     clustered: &dyn Fn(usize) -> bool,
-) -> usize {
+) -> (usize, f64) {
     let cost = |s: usize| {
-        let mut us = stages.div_ceil(s) as f64 * wg_stage_us(base * s, sms);
+        let mut us = stages.div_ceil(s) as f64 * wg_stage_us(base * s, sms) * stage_cost;
         if s > 1 {
             let passes = if clustered(s) { 2 * s } else { 2 * s + 1 };
             us += (passes * outputs * 4) as f64 / 3.0e6 + 2.0;
@@ -839,7 +872,6 @@ fn wg_splits(
             (1, f64::INFINITY),
             |best, c| if c.1 < best.1 { c } else { best },
         )
-        .0
 }
 
 /// Whether the wgmma kernel takes this shape (N a multiple of its 128 outputs a block, K and
@@ -849,11 +881,12 @@ fn wg_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
 }
 
 /// What the Hopper wgmma kernel's plan needs of the device: its SM count, and whether a grid
-/// of (N blocks, M blocks, K splits) would sum its splits in thread block clusters.
+/// of (tokens a block, N blocks, M blocks, K splits) would sum its splits in thread block
+/// clusters.
 #[derive(Clone, Copy)]
 struct WgDevice<'a> {
     sms: usize,
-    clustered: &'a dyn Fn((usize, usize, usize)) -> bool,
+    clustered: &'a dyn Fn((usize, usize, usize, usize)) -> bool,
 }
 
 impl WgDevice<'static> {
@@ -885,19 +918,31 @@ fn gemm_plan(
     };
     if let Some(wg) = wg.filter(|_| m >= wg_min) {
         let wg_sms = wg.sms;
-        let mblocks = m.div_ceil(WG_BM);
         let nblocks = n / WG_BN;
         let stages = k / WG_BK;
+        let tokens = knobs().gemm_wg_tokens.unwrap_or_else(|| wg_tokens(m));
+        let mblocks = m.div_ceil(tokens);
         // One split has nothing to sum.
-        let clustered = |s: usize| s > 1 && (wg.clustered)((nblocks, mblocks, s));
+        let clustered = |s: usize| s > 1 && (wg.clustered)((tokens, nblocks, mblocks, s));
         let splits = knobs()
             .gemm_wg_splits
-            .unwrap_or_else(|| wg_splits(nblocks * mblocks, wg_sms, stages, m * n, &clustered))
+            .unwrap_or_else(|| {
+                let stage_cost = wg_tokens_cost(tokens);
+                wg_splits(
+                    nblocks * mblocks,
+                    wg_sms,
+                    stages,
+                    m * n,
+                    stage_cost,
+                    &clustered,
+                )
+                .0
+            })
             .min(stages.max(1));
         let per = stages.div_ceil(splits).max(1);
         let splits = stages.div_ceil(per);
         return GemmPlan {
-            kernel: GemmKernel::Wgmma,
+            kernel: GemmKernel::Wgmma { tokens },
             nblocks,
             mblocks,
             splits,
@@ -988,8 +1033,19 @@ fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
         GemmKernel::Gemv => format!("w4a16_gemv_{suffix}"),
         GemmKernel::Gemv3 { rows } => format!("w4a16_gemv3_{suffix}_r{rows}"),
         GemmKernel::Tiled { mt } => format!("w4a16_awq_{suffix}_m{mt}"),
-        GemmKernel::Wgmma => format!("w4a16_wg_{suffix}"),
+        GemmKernel::Wgmma { tokens } => return wg_kernel_name(act, tokens),
     };
+    kernel_named(name)
+}
+
+/// `w4a16_wg_<dt>_t<tokens>`.
+fn wg_kernel_name(act: DType, tokens: usize) -> Result<&'static str> {
+    let suffix = if act == DType::F16 { "f16" } else { "bf16" };
+    kernel_named(format!("w4a16_wg_{suffix}_t{tokens}"))
+}
+
+/// The kernel entry point called `name`.
+fn kernel_named(name: String) -> Result<&'static str> {
     crate::kernels::all_kernels()
         .find(|k| *k == name)
         .ok_or(CudaError::MissingKernel(name))
@@ -1087,8 +1143,7 @@ fn plan_uncached(
     );
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
     let occ = dev.occupancy(f, probe.threads as u32, probe.smem);
-    // Only consulted when the probe chose the wgmma kernel, so `f` is that kernel.
-    let clustered = |grid| wg_clustered(dev, f, grid);
+    let clustered = |grid| wg_clustered(dev, act, grid);
     let plan = gemm_plan(
         sms * occ,
         m,
@@ -1104,14 +1159,22 @@ fn plan_uncached(
     Ok((plan, f))
 }
 
-/// Whether the wgmma kernel `f` sums the K splits of a grid of (N blocks, M blocks, splits)
-/// in thread block clusters on `dev`: [`cluster_pays`] on the device's cluster occupancy at the
-/// plan's shared memory for that grid, unless `FORGE_GEMM_WG_CLUSTER` forces either path.
-fn wg_clustered(dev: &Device, f: Func, (nblocks, mblocks, splits): (usize, usize, usize)) -> bool {
+/// Whether the wgmma kernel of `tokens` a block sums the K splits of a grid of (N blocks,
+/// M blocks, splits) in thread block clusters on `dev`: [`cluster_pays`] on the device's
+/// cluster occupancy at the plan's shared memory for that grid, unless
+/// `FORGE_GEMM_WG_CLUSTER` forces either path.
+fn wg_clustered(
+    dev: &Device,
+    act: DType,
+    (tokens, nblocks, mblocks, splits): (usize, usize, usize, usize),
+) -> bool {
     let forced = knobs().gemm_wg_cluster;
     if forced == Some(0) {
         return false;
     }
+    let Ok(f) = wg_kernel_name(act, tokens).and_then(|name| dev.function(name)) else {
+        return false;
+    };
     let sms = dev.sm_count.max(1) as usize;
     let smem = wg_smem(nblocks * mblocks * splits, sms);
     let dims = (
@@ -1162,6 +1225,33 @@ pub fn w4a16_workspace_bytes(
             .0
             .workspace_splits())
     })
+}
+
+/// What [`w4a16_gemm_awq`] launches for `(M, N, K, G)` with `act` activations on device
+/// `device_ordinal`, in words: the kernel, its grid (N blocks × M blocks × K splits) and
+/// whether the splits are summed in a thread block cluster. For benches and tuning: the plan
+/// cache answers after the first call.
+pub fn w4a16_plan(
+    device_ordinal: usize,
+    act: DType,
+    m: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> Result<String> {
+    check_act(act)?;
+    let dev = device(device_ordinal)?;
+    let plan = plan_for(dev, act, m, n, k, group_size)?.0;
+    let name = gemm_kernel_name(act, &plan)?;
+    let sum = match (plan.splits, plan.cluster) {
+        (1, _) => "",
+        (_, true) => ", summed in a cluster",
+        (_, false) => ", summed through the workspace",
+    };
+    Ok(format!(
+        "{name} {}x{}x{} (K {} a split{sum})",
+        plan.nblocks, plan.mblocks, plan.splits, plan.k_chunk
+    ))
 }
 
 /// The activation dtypes the W4A16 kernels take: F16 or Bf16.
@@ -2955,18 +3045,18 @@ mod tests {
         // at 2 splits in clusters (clusters of up to 4 pay there); through the workspace 2
         // splits cost more than they save.
         let (tiles, outputs) = (288, 256 * 18432);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, &|s| s <= 4), 2);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, &|_| false), 1);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|s| s <= 4).0, 2);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|_| false).0, 1);
         // 7168×2048 at M = 512 (16 × 4 tiles): 34.8 µs at 2 splits in clusters against 38.6 at
         // 4 through the workspace (clusters of 4 do not pay there).
         let (tiles, outputs) = (64, 512 * 2048);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, &|s| s <= 3), 2);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, &|_| false), 4);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|s| s <= 3).0, 2);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|_| false).0, 4);
         // Rows the model already picked well keep their counts: 2048×7168 at M = 128 2 splits,
         // 7168×18432 at M = 128 3, q_a 7168×1536 at M = 128 8 (all in clusters).
-        assert_eq!(wg_splits(56, 132, 32, 128 * 7168, &|s| s <= 4), 2);
-        assert_eq!(wg_splits(144, 132, 112, 128 * 18432, &|s| s <= 4), 3);
-        assert_eq!(wg_splits(12, 132, 112, 128 * 1536, &|_| true), 8);
+        assert_eq!(wg_splits(56, 132, 32, 128 * 7168, 1.0, &|s| s <= 4).0, 2);
+        assert_eq!(wg_splits(144, 132, 112, 128 * 18432, 1.0, &|s| s <= 4).0, 3);
+        assert_eq!(wg_splits(12, 132, 112, 128 * 1536, 1.0, &|_| true).0, 8);
     }
 
     #[test]
@@ -2991,7 +3081,10 @@ mod tests {
         ] {
             assert!(wg_shape_ok(n, k, 64));
             let p = plan(m, n, k);
-            assert_eq!(p.kernel, GemmKernel::Wgmma, "{p:?}");
+            let GemmKernel::Wgmma { tokens } = p.kernel else {
+                panic!("{p:?}")
+            };
+            assert!(WG_TOKENS.contains(&tokens) && tokens / 2 < m, "{p:?}");
             assert!(
                 p.k_chunk.is_multiple_of(WG_BK)
                     && p.splits * p.k_chunk >= k
@@ -3001,10 +3094,20 @@ mod tests {
             );
             assert_eq!(p.nblocks * WG_BN, n);
             assert!(
-                p.mblocks * WG_BM >= m && (p.mblocks - 1) * WG_BM < m,
+                p.mblocks * tokens >= m && (p.mblocks - 1) * tokens < m,
                 "{p:?}"
             );
         }
+        // The smallest token tile that holds M, else 128 (several narrower blocks would each
+        // dequantize the weights again).
+        let tokens = |m| match plan(m, 7168, 2048).kernel {
+            GemmKernel::Wgmma { tokens } => tokens,
+            k => panic!("{k:?}"),
+        };
+        assert_eq!(
+            [17, 32, 33, 64, 65, 128, 129, 300].map(tokens),
+            [32, 32, 64, 64, 128, 128, 128, 128]
+        );
         // A 16-block grid splits 8 ways, a 56-block one twice, 144 blocks (just over one wave)
         // 3-4 ways; a grid of many waves not at all.
         let splits = |m, n, k| plan(m, n, k).splits;
@@ -3022,7 +3125,10 @@ mod tests {
         let per_sm = |smem: u32| (228 * 1024) / (smem as usize + 1024);
         assert_eq!((per_sm(W4A16_WG_SMEM_ALONE), per_sm(W4A16_WG_SMEM)), (1, 2));
         // Small M keeps the GEMV; shapes the kernel cannot take keep the tiled kernel.
-        assert_ne!(plan(16, 2048, 7168).kernel, GemmKernel::Wgmma);
+        assert!(!matches!(
+            plan(16, 2048, 7168).kernel,
+            GemmKernel::Wgmma { .. }
+        ));
         assert!(
             !wg_shape_ok(96, 256, 64) && !wg_shape_ok(256, 96, 32) && !wg_shape_ok(256, 256, 32)
         );

@@ -350,6 +350,21 @@ pub fn w4a16_workspace_bytes(
     cu::w4a16_workspace_bytes(device, m, n, k, group_size).map_err(|e| cuda_err(py, e))
 }
 
+/// What the W4A16 GEMM launches for `(M, N, K, G)` with bf16 (else fp16) activations on CUDA
+/// device `device`: kernel, grid and K splits, in words (benches and tuning).
+#[pyfunction]
+pub fn w4a16_plan(
+    py: Python<'_>,
+    device: usize,
+    bf16: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> PyResult<String> {
+    cu::w4a16_plan(device, act_dtype(bf16), m, n, k, group_size).map_err(|e| cuda_err(py, e))
+}
+
 /// The W4A16 launches' activation dtype (the bindings take `bf16: bool`; else fp16).
 fn act_dtype(bf16: bool) -> cu::DType {
     if bf16 {

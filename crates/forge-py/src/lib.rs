@@ -43,6 +43,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_ops::cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_workspace_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::w4a16_plan, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_grouped_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::moe_route_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::moe_combine_launch, m)?)?;
