@@ -182,7 +182,7 @@ def bench_gemm(rows, bw):
         w_int4, sz = tinygemm_weights(qw, qz, sc)  # tinygemm wants its own packing
         limit = tensor_bytes(qw, qz, sc) / bw
         deq_t = forge.dequantize_awq(qw, qz, sc, G).t()  # once a shape, not once an M
-        for m in (1, 4, 8, 16, 64, 128):
+        for m in (1, 4, 8, 16, 32, 64, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf16 = graph_time(lambda x=x: x @ w.t())
             t_tiny = graph_time(lambda x=x: torch.ops.aten._weight_int4pack_mm(x, w_int4, G, sz))
