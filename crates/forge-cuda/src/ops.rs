@@ -827,9 +827,9 @@ fn wg_tokens(m: usize) -> usize {
         .unwrap_or(WG_TOKENS[0])
 }
 
-/// A stage of `tokens` tokens against one of 128 ([`wg_stage_us`]), measured on an H100 at
-/// the same grid (M = 32: 7168×2048, 8 splits; 16384×7168, 7 splits; 7168×18432, 7 splits):
-/// 0.74–0.84 for 32 tokens, 0.81–0.88 for 64.
+/// A stage of `tokens` tokens against one of 128 ([`wg_stage_us`]): whole-call times on an
+/// H100 at M = 32 and the same grid (7168×2048 at 8 splits, 16384×7168 at 7; for 64 tokens
+/// also 7168×18432 at 7) put 32 tokens at 0.74–0.84 and 64 at 0.80–0.88.
 fn wg_tokens_cost(tokens: usize) -> f64 {
     match tokens {
         32 => 0.78,
@@ -848,7 +848,7 @@ fn wg_tokens_cost(tokens: usize) -> f64 {
 /// split") it keeps the per-SM model's pick on 42 of 48 rows, is 3–13 % faster on five
 /// (7168×18432 at M = 256: 179 → 157 µs) and 4–6 % slower on one (7168×18432 at M = 64, where
 /// it prices 3 and 4 splits 0.2 µs apart). Stages cost `stage_cost` times a 128-token stage
-/// ([`wg_tokens_cost`]). Returns the split count and its estimated µs.
+/// ([`wg_tokens_cost`]).
 fn wg_splits(
     base: usize,
     sms: usize,
@@ -856,7 +856,7 @@ fn wg_splits(
     outputs: usize,
     stage_cost: f64,
     clustered: &dyn Fn(usize) -> bool,
-) -> (usize, f64) {
+) -> usize {
     let cost = |s: usize| {
         let mut us = stages.div_ceil(s) as f64 * wg_stage_us(base * s, sms) * stage_cost;
         if s > 1 {
@@ -872,6 +872,7 @@ fn wg_splits(
             (1, f64::INFINITY),
             |best, c| if c.1 < best.1 { c } else { best },
         )
+        .0
 }
 
 /// Whether the wgmma kernel takes this shape (N a multiple of its 128 outputs a block, K and
@@ -881,12 +882,11 @@ fn wg_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
 }
 
 /// What the Hopper wgmma kernel's plan needs of the device: its SM count, and whether a grid
-/// of (tokens a block, N blocks, M blocks, K splits) would sum its splits in thread block
-/// clusters.
+/// of (N blocks, M blocks, K splits) would sum its splits in thread block clusters.
 #[derive(Clone, Copy)]
 struct WgDevice<'a> {
     sms: usize,
-    clustered: &'a dyn Fn((usize, usize, usize, usize)) -> bool,
+    clustered: &'a dyn Fn((usize, usize, usize)) -> bool,
 }
 
 impl WgDevice<'static> {
@@ -923,7 +923,7 @@ fn gemm_plan(
         let tokens = knobs().gemm_wg_tokens.unwrap_or_else(|| wg_tokens(m));
         let mblocks = m.div_ceil(tokens);
         // One split has nothing to sum.
-        let clustered = |s: usize| s > 1 && (wg.clustered)((tokens, nblocks, mblocks, s));
+        let clustered = |s: usize| s > 1 && (wg.clustered)((nblocks, mblocks, s));
         let splits = knobs()
             .gemm_wg_splits
             .unwrap_or_else(|| {
@@ -936,7 +936,6 @@ fn gemm_plan(
                     stage_cost,
                     &clustered,
                 )
-                .0
             })
             .min(stages.max(1));
         let per = stages.div_ceil(splits).max(1);
@@ -1028,20 +1027,14 @@ fn gemm_plan(
 }
 
 fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
-    let suffix = if act == DType::F16 { "f16" } else { "bf16" };
+    let suffix = act.suffix();
     let name = match plan.kernel {
         GemmKernel::Gemv => format!("w4a16_gemv_{suffix}"),
         GemmKernel::Gemv3 { rows } => format!("w4a16_gemv3_{suffix}_r{rows}"),
         GemmKernel::Tiled { mt } => format!("w4a16_awq_{suffix}_m{mt}"),
-        GemmKernel::Wgmma { tokens } => return wg_kernel_name(act, tokens),
+        GemmKernel::Wgmma { tokens } => format!("w4a16_wg_{suffix}_t{tokens}"),
     };
     kernel_named(name)
-}
-
-/// `w4a16_wg_<dt>_t<tokens>`.
-fn wg_kernel_name(act: DType, tokens: usize) -> Result<&'static str> {
-    let suffix = if act == DType::F16 { "f16" } else { "bf16" };
-    kernel_named(format!("w4a16_wg_{suffix}_t{tokens}"))
 }
 
 /// The kernel entry point called `name`.
@@ -1143,7 +1136,9 @@ fn plan_uncached(
     );
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
     let occ = dev.occupancy(f, probe.threads as u32, probe.smem);
-    let clustered = |grid| wg_clustered(dev, act, grid);
+    // Only consulted when the probe chose the wgmma kernel, so `f` is that kernel, of the same
+    // token tile (the tile depends on M alone).
+    let clustered = |grid| wg_clustered(dev, f, grid);
     let plan = gemm_plan(
         sms * occ,
         m,
@@ -1159,22 +1154,14 @@ fn plan_uncached(
     Ok((plan, f))
 }
 
-/// Whether the wgmma kernel of `tokens` a block sums the K splits of a grid of (N blocks,
-/// M blocks, splits) in thread block clusters on `dev`: [`cluster_pays`] on the device's
-/// cluster occupancy at the plan's shared memory for that grid, unless
-/// `FORGE_GEMM_WG_CLUSTER` forces either path.
-fn wg_clustered(
-    dev: &Device,
-    act: DType,
-    (tokens, nblocks, mblocks, splits): (usize, usize, usize, usize),
-) -> bool {
+/// Whether the wgmma kernel `f` sums the K splits of a grid of (N blocks, M blocks, splits)
+/// in thread block clusters on `dev`: [`cluster_pays`] on the device's cluster occupancy at the
+/// plan's shared memory for that grid, unless `FORGE_GEMM_WG_CLUSTER` forces either path.
+fn wg_clustered(dev: &Device, f: Func, (nblocks, mblocks, splits): (usize, usize, usize)) -> bool {
     let forced = knobs().gemm_wg_cluster;
     if forced == Some(0) {
         return false;
     }
-    let Ok(f) = wg_kernel_name(act, tokens).and_then(|name| dev.function(name)) else {
-        return false;
-    };
     let sms = dev.sm_count.max(1) as usize;
     let smem = wg_smem(nblocks * mblocks * splits, sms);
     let dims = (
@@ -1786,11 +1773,7 @@ fn grouped_plan_for(
     static PLANS: PlanCache<Key, GroupedPlan> = OnceLock::new();
     let key = (dev.ordinal, act, rows, segments, n, k, group_size);
     cached_plan(&PLANS, key, || {
-        let suffix = if act == DType::F16 { "f16" } else { "bf16" };
-        let name = format!("w4a16_gemv3g_{suffix}_r{rows}");
-        let name = crate::kernels::all_kernels()
-            .find(|k| *k == name)
-            .ok_or(CudaError::MissingKernel(name))?;
+        let name = kernel_named(format!("w4a16_gemv3g_{}_r{rows}", act.suffix()))?;
         let f = dev.function(name)?;
         let sms = dev.sm_count.max(1) as usize;
         let occ = dev.occupancy(f, (32 * GEMV3_WARPS) as u32, 0);
@@ -3045,18 +3028,18 @@ mod tests {
         // at 2 splits in clusters (clusters of up to 4 pay there); through the workspace 2
         // splits cost more than they save.
         let (tiles, outputs) = (288, 256 * 18432);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|s| s <= 4).0, 2);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|_| false).0, 1);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|s| s <= 4), 2);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|_| false), 1);
         // 7168×2048 at M = 512 (16 × 4 tiles): 34.8 µs at 2 splits in clusters against 38.6 at
         // 4 through the workspace (clusters of 4 do not pay there).
         let (tiles, outputs) = (64, 512 * 2048);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|s| s <= 3).0, 2);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|_| false).0, 4);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|s| s <= 3), 2);
+        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|_| false), 4);
         // Rows the model already picked well keep their counts: 2048×7168 at M = 128 2 splits,
         // 7168×18432 at M = 128 3, q_a 7168×1536 at M = 128 8 (all in clusters).
-        assert_eq!(wg_splits(56, 132, 32, 128 * 7168, 1.0, &|s| s <= 4).0, 2);
-        assert_eq!(wg_splits(144, 132, 112, 128 * 18432, 1.0, &|s| s <= 4).0, 3);
-        assert_eq!(wg_splits(12, 132, 112, 128 * 1536, 1.0, &|_| true).0, 8);
+        assert_eq!(wg_splits(56, 132, 32, 128 * 7168, 1.0, &|s| s <= 4), 2);
+        assert_eq!(wg_splits(144, 132, 112, 128 * 18432, 1.0, &|s| s <= 4), 3);
+        assert_eq!(wg_splits(12, 132, 112, 128 * 1536, 1.0, &|_| true), 8);
     }
 
     #[test]
