@@ -253,8 +253,8 @@ FORGE_GEMM_ENTRY(bf16, 4, true)
 // summed through distributed shared memory into y.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // d += A·B with A (the dequantized weights) from registers a[0..4), B (x, TN tokens) from
-// shared memory (descriptor db), K-major: m64n128k16, m64n64k16 or m64n32k16. A0: the operand
-// number of a[0] (after the TN / 2 accumulators).
+// shared memory (descriptor db), K-major: m64n128k16, m64n64k16, m64n32k16 or m64n16k16. A0: the
+// operand number of a[0] (after the TN / 2 accumulators).
 #define FORGE_WG_RS(N, DT, REGS, OPS, A0, A1, A2, A3, DB, SC)                                              \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SC ", 0;\n"                                         \
                  "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." DT "." DT " " REGS ", {%" A0 ", %" A1      \
@@ -267,6 +267,8 @@ FORGE_GEMM_ENTRY(bf16, 4, true)
     FORGE_WG_RS("64", DT, FORGE_WG_ACC32_REGS, FORGE_WG_ACC32_OPS, "32", "33", "34", "35", "36", "37")
 #define FORGE_WG_RS32(DT) \
     FORGE_WG_RS("32", DT, FORGE_WG_ACC16_REGS, FORGE_WG_ACC16_OPS, "16", "17", "18", "19", "20", "21")
+#define FORGE_WG_RS16(DT) \
+    FORGE_WG_RS("16", DT, FORGE_WG_ACC8_REGS, FORGE_WG_ACC8_OPS, "8", "9", "10", "11", "12", "13")
 template <bool BF, int TN>
 __device__ __forceinline__ void wgmma_rs_m64k16(float (&d)[TN / 2], const u32 a[4], u64 db) {
     if constexpr (TN == 128) {
@@ -275,15 +277,19 @@ __device__ __forceinline__ void wgmma_rs_m64k16(float (&d)[TN / 2], const u32 a[
     } else if constexpr (TN == 64) {
         if (BF) FORGE_WG_RS64("bf16");
         else FORGE_WG_RS64("f16");
-    } else {
-        static_assert(TN == 32, "wgmma token tiles: 32, 64 or 128");
+    } else if constexpr (TN == 32) {
         if (BF) FORGE_WG_RS32("bf16");
         else FORGE_WG_RS32("f16");
+    } else {
+        static_assert(TN == 16, "wgmma token tiles: 16, 32, 64 or 128");
+        if (BF) FORGE_WG_RS16("bf16");
+        else FORGE_WG_RS16("f16");
     }
 }
 #undef FORGE_WG_RS128
 #undef FORGE_WG_RS64
 #undef FORGE_WG_RS32
+#undef FORGE_WG_RS16
 #undef FORGE_WG_RS
 // Marks registers as used (and changed) here, so that their values, read by MMAs still in
 // flight, are not moved and their registers not given to other values before this point.
@@ -299,7 +305,8 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     pdl_launch_dependents();  // the split-K reduction's launch may overlap this grid's tail
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int XB = TN * WG_BK * 2;  // one x stage: TN rows of 128 bytes
-    constexpr int XI = TN / 32;         // x chunks a thread loads a stage
+    // x chunks a thread loads a stage (16 tokens: threads 0..127 load one each, the rest none).
+    constexpr int XI = TN >= 32 ? TN / 32 : 1;
     extern __shared__ __align__(16) u8 wg_smem[];
     // x stages first, each on a 1024-byte boundary (where the swizzle pattern repeats).
     u8* Xs = wg_smem + ((1024 - (smem_u32(wg_smem) & 1023)) & 1023);
@@ -324,6 +331,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     const u32 x_dst = smem_u32(Xs) + xr * 128 + ((xch ^ (xr & 7)) << 4);
     const u16* xg = x + (i64)(m0 + xr) * K + kbeg + 8 * xch;
     const i64 x32 = (i64)32 * K;  // 32 rows of x
+    const bool x_loader = TN >= 32 || xr < TN;  // this thread loads x rows
     const bool x_full = m0 + TN <= M;
     const int x_rows = min(XI, max(0, (M - m0 - xr + 31) / 32));  // chunks i < x_rows hold real rows
     const u32 w_dst = smem_u32(Ws) + 4 * ((tid >> 2) * WG_WSTR + 4 * (tid & 3));
@@ -335,7 +343,8 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     const u32* m_cur = m_src + (i64)(kbeg / G) * m_step;
     auto load_stage = [&](int stage) {
         const u32 xs = x_dst + stage * XB;
-        if (x_full) {
+        if (!x_loader) {
+        } else if (x_full) {
             const u16* p = xg;
 #pragma unroll
             for (int i = 0; i < XI; i++) {
@@ -525,6 +534,8 @@ FORGE_GEMM_WG_ENTRY(f16, false, 64)
 FORGE_GEMM_WG_ENTRY(bf16, true, 64)
 FORGE_GEMM_WG_ENTRY(f16, false, 32)
 FORGE_GEMM_WG_ENTRY(bf16, true, 32)
+FORGE_GEMM_WG_ENTRY(f16, false, 16)
+FORGE_GEMM_WG_ENTRY(bf16, true, 16)
 
 // Sum of split-K partials ws[splits, MN] in split order, converted to the output dtype; four
 // outputs a thread (16-byte loads) when `vec` (MN % 4 == 0; ops.rs sets it for large MN, where

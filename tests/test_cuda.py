@@ -162,7 +162,7 @@ def awq_matmul_tol(act):
 
 
 @pytest.mark.parametrize("act", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 9, 16, 20, 33, 128, 300])
+@pytest.mark.parametrize("m", [1, 3, 5, 9, 16, 20, 33, 128, 300])
 @pytest.mark.parametrize("k,n,group", [(1024, 256, 128), (2048, 512, 64), (768, 1024, 32), (7168, 384, 128)])
 def test_awq_matmul_close_to_reference(act, m, k, n, group):
     y, err = awq_matmul_rel_err(act, m, k, n, group, 3, "mse")
@@ -221,8 +221,8 @@ def test_awq_matmul_small_m_forced_gemvs():
 # (m, k, n, group) the Hopper wgmma GEMM splits along K: the DeepSeek expert shapes at M = 24
 # / 64 / 128 (its 32-, 64- and 128-token tiles), three M blocks with a partial last one, and a
 # group size of 64.
-WG_SPLIT_CASES = [(128, 2048, 7168, 128), (64, 7168, 2048, 128), (24, 7168, 2048, 128), (300, 1024, 512, 64),
-                  (130, 4096, 1024, 128)]  # fmt: skip
+WG_SPLIT_CASES = [(128, 2048, 7168, 128), (64, 7168, 2048, 128), (24, 7168, 2048, 128), (12, 7168, 2048, 128),
+                  (300, 1024, 512, 64), (130, 4096, 1024, 128)]  # fmt: skip
 
 
 @pytest.mark.skipif(

@@ -95,6 +95,8 @@ impl Module {
                 "w4a16_wg_bf16_t64",
                 "w4a16_wg_f16_t32",
                 "w4a16_wg_bf16_t32",
+                "w4a16_wg_f16_t16",
+                "w4a16_wg_bf16_t16",
                 "w4a16_gemv_f16",
                 "w4a16_gemv_bf16",
                 "w4a16_gemv3_f16_r1",

@@ -601,11 +601,11 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 }
 
 /// Tuning knobs from the environment, read once per process (never per launch):
-/// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0|1` (the Hopper wgmma kernel
-/// off, or on for every M > 4 whose shape it takes), `FORGE_GEMM_WG_SPLITS=1..8` (its K
+/// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0` (the Hopper wgmma kernel
+/// off), `FORGE_GEMM_WG_SPLITS=1..8` (its K
 /// splits), `FORGE_GEMM_WG_CLUSTER=0|1` (its splits summed through a split-K workspace and
 /// a second kernel, or in a thread block cluster whenever the device can launch one),
-/// `FORGE_GEMM_WG_TOKENS=32|64|128` (its tokens a block) and `FORGE_TILED_WARPS=4..16` (the
+/// `FORGE_GEMM_WG_TOKENS=16|32|64|128` (its tokens a block) and `FORGE_TILED_WARPS=4..16` (the
 /// tiled GEMV's warps a block).
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
@@ -630,7 +630,7 @@ fn knobs() -> Knobs {
         Knobs {
             gemv: read("FORGE_GEMV", &[1, 3]),
             gemm_mt: read("FORGE_GEMM_MT", &[1, 2, 4]),
-            gemm_wg: read("FORGE_GEMM_WG", &[0, 1]),
+            gemm_wg: read("FORGE_GEMM_WG", &[0]),
             gemm_wg_splits: read("FORGE_GEMM_WG_SPLITS", &[1, 2, 3, 4, 5, 6, 7, 8]),
             gemm_wg_cluster: read("FORGE_GEMM_WG_CLUSTER", &[0, 1]),
             gemm_wg_tokens: read("FORGE_GEMM_WG_TOKENS", &WG_TOKENS),
@@ -665,7 +665,7 @@ enum GemmKernel {
     Gemv3 { rows: usize },
     /// `w4a16_awq_<dt>_m<mt>`: mma.sync tiles of `mt` m16 tiles per block.
     Tiled { mt: usize },
-    /// `w4a16_wg_<dt>_t<tokens>`: Hopper wgmma (M > 16), `tokens` (32, 64 or 128) a block.
+    /// `w4a16_wg_<dt>_t<tokens>`: Hopper wgmma, `tokens` (16, 32, 64 or 128) a block.
     Wgmma { tokens: usize },
 }
 
@@ -746,16 +746,18 @@ fn gemv3_splits(base: usize, slots: usize, k: usize) -> (usize, usize) {
     (units.div_ceil(per), per * unit)
 }
 
-/// Smallest M the Hopper wgmma kernel takes by default (`FORGE_GEMM_WG=1`: every M above
-/// [`GEMV3_MAX_M`]).
-const WG_MIN_M: usize = 17;
+/// Smallest M the Hopper wgmma kernel takes (smaller M runs the SIMT GEMV). At M = 5 … 16 its
+/// 16-token tile beat the tensor-core GEMV on the DeepSeek-V3 shapes on an H100 (README,
+/// "A 16-token tile"): M = 16 7.5 against 12.7 µs at 2048×7168, 47.9 against 62.7 at
+/// 7168×18432; M = 5 at 7168×18432 the one row within 1 % of it (45.2 against 44.6).
+const WG_MIN_M: usize = GEMV3_MAX_M + 1;
 /// Outputs per block and K per stage of the wgmma kernel (cuda/gemm.cu `WG_BK`; 16 word
 /// columns a block).
 const WG_BN: usize = 128;
 const WG_BK: usize = 64;
 /// The wgmma kernel's token tiles (`w4a16_wg_<dt>_t<tokens>`: its MMAs are m64n<tokens>k16),
 /// largest first.
-const WG_TOKENS: [usize; 3] = [128, 64, 32];
+const WG_TOKENS: [usize; 4] = [128, 64, 32, 16];
 /// Threads per block of the wgmma kernel: two warpgroups (cuda/gemm.cu `WG_THREADS`).
 const WG_THREADS: usize = 256;
 /// Most K splits of the wgmma kernel (bounds its fp32 workspace to 8·M·N floats).
@@ -829,9 +831,12 @@ fn wg_tokens(m: usize) -> usize {
 
 /// A stage of `tokens` tokens against one of 128 ([`wg_stage_us`]): whole-call times on an
 /// H100 at M = 32 and the same grid (7168×2048 at 8 splits, 16384×7168 at 7; for 64 tokens
-/// also 7168×18432 at 7) put 32 tokens at 0.74–0.84 and 64 at 0.80–0.88.
+/// also 7168×18432 at 7) put 32 tokens at 0.74–0.84 and 64 at 0.80–0.88; 16 tokens took
+/// 0.91–0.92 of 32's whole-call time at M = 16 and the same grids on the four DeepSeek-V3 shapes
+/// of "A 16-token tile" (there, 0.65–0.78 gives every one the same split count).
 fn wg_tokens_cost(tokens: usize) -> f64 {
     match tokens {
+        16 => 0.71,
         32 => 0.78,
         64 => 0.84,
         _ => 1.0,
@@ -912,8 +917,7 @@ fn gemm_plan(
 ) -> GemmPlan {
     let tiles = k / GEMM_BK;
     let wg_min = match knobs().gemm_wg {
-        Some(0) => usize::MAX,
-        Some(_) => GEMV3_MAX_M + 1,
+        Some(_) => usize::MAX,
         None => WG_MIN_M,
     };
     if let Some(wg) = wg.filter(|_| m >= wg_min) {
@@ -3061,13 +3065,19 @@ mod tests {
             (128, 18432, 7168),
             (300, 256, 512),
             (17, 128, 64),
+            (5, 7168, 2048),
+            (16, 18432, 7168),
         ] {
             assert!(wg_shape_ok(n, k, 64));
             let p = plan(m, n, k);
             let GemmKernel::Wgmma { tokens } = p.kernel else {
                 panic!("{p:?}")
             };
-            assert!(WG_TOKENS.contains(&tokens) && tokens / 2 < m, "{p:?}");
+            // The smallest tile that holds M (the 16-token tile the smallest of all).
+            assert!(
+                WG_TOKENS.contains(&tokens) && (tokens == 16 || tokens / 2 < m),
+                "{p:?}"
+            );
             assert!(
                 p.k_chunk.is_multiple_of(WG_BK)
                     && p.splits * p.k_chunk >= k
@@ -3088,8 +3098,8 @@ mod tests {
             k => panic!("{k:?}"),
         };
         assert_eq!(
-            [17, 32, 33, 64, 65, 128, 129, 300].map(tokens),
-            [32, 32, 64, 64, 128, 128, 128, 128]
+            [5, 16, 17, 32, 33, 64, 65, 128, 129, 300].map(tokens),
+            [16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
         );
         // A 16-block grid splits 8 ways, a 56-block one twice, 144 blocks (just over one wave)
         // 3-4 ways; a grid of many waves not at all.
@@ -3107,11 +3117,8 @@ mod tests {
         assert_eq!(smem(1024, 7168, 2048), W4A16_WG_SMEM as usize); // 448 blocks
         let per_sm = |smem: u32| (228 * 1024) / (smem as usize + 1024);
         assert_eq!((per_sm(W4A16_WG_SMEM_ALONE), per_sm(W4A16_WG_SMEM)), (1, 2));
-        // Small M keeps the GEMV; shapes the kernel cannot take keep the tiled kernel.
-        assert!(!matches!(
-            plan(16, 2048, 7168).kernel,
-            GemmKernel::Wgmma { .. }
-        ));
+        // M <= 4 keeps a GEMV; shapes the kernel cannot take keep the tiled kernel.
+        assert!(plan(4, 2048, 7168).kernel.takes_log2_group());
         assert!(
             !wg_shape_ok(96, 256, 64) && !wg_shape_ok(256, 96, 32) && !wg_shape_ok(256, 256, 32)
         );
