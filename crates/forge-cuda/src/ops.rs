@@ -602,7 +602,7 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 
 /// Tuning knobs from the environment, read once per process (never per launch):
 /// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0` (the Hopper wgmma kernel
-/// off), `FORGE_GEMM_WG_SPLITS=1..8` (its K
+/// off: the GEMVs to M = 16, the mma.sync kernel above), `FORGE_GEMM_WG_SPLITS=1..8` (its K
 /// splits), `FORGE_GEMM_WG_CLUSTER=0|1` (its splits summed through a split-K workspace and
 /// a second kernel, or in a thread block cluster whenever the device can launch one),
 /// `FORGE_GEMM_WG_TOKENS=16|32|64|128` (its tokens a block) and `FORGE_TILED_WARPS=4..16` (the
