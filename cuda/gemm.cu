@@ -228,9 +228,9 @@ FORGE_GEMM_ENTRY(bf16, 1, true)
 FORGE_GEMM_ENTRY(bf16, 2, true)
 FORGE_GEMM_ENTRY(bf16, 4, true)
 
-// ---- Hopper: wgmma (sm_90a), M > 16 --------------------------------------------------------
-// yᵀ = W · xᵀ per block: 128 outputs n (16 word columns) × TN rows of x (tokens: 128, 64 or 32,
-// the entry point's _t<TN>; ops.rs takes the smallest that holds M), two warpgroups, one m64
+// ---- Hopper: wgmma (sm_90a), M > 4 ---------------------------------------------------------
+// yᵀ = W · xᵀ per block: 128 outputs n (16 word columns) × TN rows of x (tokens: 128, 64, 32 or
+// 16, the entry point's _t<TN>; ops.rs takes the smallest that holds M), two warpgroups, one m64
 // tile of the outputs each, its MMAs m64n<TN>k16. The weights are the MMA's A operand, dequantized
 // into registers; x is B, read by the MMA from shared memory (K-major, 128-byte swizzle: 16-byte
 // chunk c of row r at chunk c ^ (r % 8)). A thread of warpgroup j (warp w, groupID g,
@@ -343,17 +343,19 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     const u32* m_cur = m_src + (i64)(kbeg / G) * m_step;
     auto load_stage = [&](int stage) {
         const u32 xs = x_dst + stage * XB;
-        if (!x_loader) {
-        } else if (x_full) {
-            const u16* p = xg;
+        if (x_loader) {
+            if (x_full) {
+                const u16* p = xg;
 #pragma unroll
-            for (int i = 0; i < XI; i++) {
-                cp_async16_s(xs + 4096 * i, p, 16);
-                p += x32;
+                for (int i = 0; i < XI; i++) {
+                    cp_async16_s(xs + 4096 * i, p, 16);
+                    p += x32;
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < XI; i++)
+                    cp_async16_s(xs + 4096 * i, i < x_rows ? xg + x32 * i : x, i < x_rows ? 16 : 0);
             }
-        } else {
-#pragma unroll
-            for (int i = 0; i < XI; i++) cp_async16_s(xs + 4096 * i, i < x_rows ? xg + x32 * i : x, i < x_rows ? 16 : 0);
         }
         xg += WG_BK;
         cp_async16_s(w_dst + stage * (4 * WG_WWORDS), wgp, 16);

@@ -134,8 +134,8 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
                 const u32 dst = tbase + sq_tile_addr<EB>(r0 + 32 * i, p);
                 if (r0 + 32 * i < rows) {
                     if (EB == 1) cp_async8_s(dst, src);
-                    else cp_async16_s(dst, src, 16);
-                    if (EB == 4) cp_async16_s(dst + 16, src + 16, 16);  // an f32 run is 32 bytes
+#pragma unroll
+                    for (int b = 0; b < EB / 2; b++) cp_async16_s(dst + 16 * b, src + 16 * b, 16);  // a run: 8·EB bytes
                 }
                 src += step;
             }
@@ -181,13 +181,11 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
         if (EB == 1) {
             const uint2 a2 = *(const uint2*)ta, b2 = *(const uint2*)tb;
             a[0].x = a2.x, a[0].y = a2.y, b[0].x = b2.x, b[0].y = b2.y;
-        } else {
-            a[0] = *(const uint4*)ta;
-            b[0] = *(const uint4*)tb;
-            if (EB == 4) {
-                a[1] = *(const uint4*)(ta + 16);
-                b[1] = *(const uint4*)(tb + 16);
-            }
+        }
+#pragma unroll
+        for (int v = 0; v < EB / 2; v++) {
+            a[v] = ((const uint4*)ta)[v];
+            b[v] = ((const uint4*)tb)[v];
         }
         decode_run<DT>(a, 0, v0);
         decode_run<DT>(b, 0, v1);

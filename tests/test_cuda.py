@@ -218,9 +218,9 @@ def test_awq_matmul_small_m_forced_gemvs():
     )
 
 
-# (m, k, n, group) the Hopper wgmma GEMM splits along K: the DeepSeek expert shapes at M = 24
-# / 64 / 128 (its 32-, 64- and 128-token tiles), three M blocks with a partial last one, and a
-# group size of 64.
+# (m, k, n, group) the Hopper wgmma GEMM splits along K: the DeepSeek expert shapes at M = 12
+# / 24 / 64 / 128 (its 16-, 32-, 64- and 128-token tiles), three M blocks with a partial last
+# one, and a group size of 64.
 WG_SPLIT_CASES = [(128, 2048, 7168, 128), (64, 7168, 2048, 128), (24, 7168, 2048, 128), (12, 7168, 2048, 128),
                   (300, 1024, 512, 64), (130, 4096, 1024, 128)]  # fmt: skip
 

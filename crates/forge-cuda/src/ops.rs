@@ -611,7 +611,8 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 struct Knobs {
     gemv: Option<usize>,
     gemm_mt: Option<usize>,
-    gemm_wg: Option<usize>,
+    /// `FORGE_GEMM_WG=0`: the wgmma kernel never runs.
+    wgmma_off: bool,
     gemm_wg_splits: Option<usize>,
     gemm_wg_cluster: Option<usize>,
     gemm_wg_tokens: Option<usize>,
@@ -630,10 +631,10 @@ fn knobs() -> Knobs {
         Knobs {
             gemv: read("FORGE_GEMV", &[1, 3]),
             gemm_mt: read("FORGE_GEMM_MT", &[1, 2, 4]),
-            gemm_wg: read("FORGE_GEMM_WG", &[0]),
+            wgmma_off: read("FORGE_GEMM_WG", &[0]).is_some(),
             gemm_wg_splits: read("FORGE_GEMM_WG_SPLITS", &[1, 2, 3, 4, 5, 6, 7, 8]),
             gemm_wg_cluster: read("FORGE_GEMM_WG_CLUSTER", &[0, 1]),
-            gemm_wg_tokens: read("FORGE_GEMM_WG_TOKENS", &WG_TOKENS),
+            gemm_wg_tokens: read("FORGE_GEMM_WG_TOKENS", &WG_TILES.map(|(t, _)| t)),
             tiled_warps: read(
                 "FORGE_TILED_WARPS",
                 &(4..=TILED_MAX_WARPS).collect::<Vec<_>>(),
@@ -756,8 +757,13 @@ const WG_MIN_M: usize = GEMV3_MAX_M + 1;
 const WG_BN: usize = 128;
 const WG_BK: usize = 64;
 /// The wgmma kernel's token tiles (`w4a16_wg_<dt>_t<tokens>`: its MMAs are m64n<tokens>k16),
-/// largest first.
-const WG_TOKENS: [usize; 4] = [128, 64, 32, 16];
+/// largest first, each with the time of its stage against a 128-token one ([`wg_stage_us`]).
+/// Whole-call times on an H100 at M = 32 and the same grid (7168×2048 at 8 splits, 16384×7168
+/// at 7; for 64 tokens also 7168×18432 at 7) put 32 tokens at 0.74–0.84 and 64 at 0.80–0.88;
+/// 16 tokens took 0.91–0.92 of 32's whole-call time at M = 16 and the same grids on the four
+/// DeepSeek-V3 shapes of README "A 16-token tile" (there, 0.65–0.78 gives every one the same
+/// split count).
+const WG_TILES: [(usize, f64); 4] = [(128, 1.0), (64, 0.84), (32, 0.78), (16, 0.71)];
 /// Threads per block of the wgmma kernel: two warpgroups (cuda/gemm.cu `WG_THREADS`).
 const WG_THREADS: usize = 256;
 /// Most K splits of the wgmma kernel (bounds its fp32 workspace to 8·M·N floats).
@@ -815,32 +821,16 @@ fn wg_stage_us(blocks: usize, sms: usize) -> f64 {
     0.96 * full as f64 + last
 }
 
-/// The wgmma kernel's token tile for M: the smallest that holds M in one block, else 128.
-/// A smaller tile's MMAs are narrower, but every block dequantizes its weights again, and the
-/// dequantization, not the MMAs, holds most of a stage: on an H100 (README, "Token tiles of 32
-/// and 64"), with M in one block, 32- and 64-token tiles ran 1.1–1.4× faster than 128 at M = 32
-/// and 1.1–1.3× at M = 48 / 64, while two 64-token blocks instead of one of 128 ran
-/// 0.65–0.82× at M = 96 / 128.
-fn wg_tokens(m: usize) -> usize {
-    WG_TOKENS
-        .into_iter()
-        .filter(|&t| t >= m)
-        .min()
-        .unwrap_or(WG_TOKENS[0])
-}
-
-/// A stage of `tokens` tokens against one of 128 ([`wg_stage_us`]): whole-call times on an
-/// H100 at M = 32 and the same grid (7168×2048 at 8 splits, 16384×7168 at 7; for 64 tokens
-/// also 7168×18432 at 7) put 32 tokens at 0.74–0.84 and 64 at 0.80–0.88; 16 tokens took
-/// 0.91–0.92 of 32's whole-call time at M = 16 and the same grids on the four DeepSeek-V3 shapes
-/// of "A 16-token tile" (there, 0.65–0.78 gives every one the same split count).
-fn wg_tokens_cost(tokens: usize) -> f64 {
-    match tokens {
-        16 => 0.71,
-        32 => 0.78,
-        64 => 0.84,
-        _ => 1.0,
-    }
+/// The wgmma kernel's token tile for M and its stage cost ([`WG_TILES`]): the smallest that
+/// holds M in one block, else 128. A smaller tile's MMAs are narrower, but every block
+/// dequantizes its weights again, and the dequantization, not the MMAs, holds most of a stage:
+/// on an H100 (README, "Token tiles of 32 and 64"), with M in one block, 32- and 64-token tiles
+/// ran 1.1–1.4× faster than 128 at M = 32 and 1.1–1.3× at M = 48 / 64, while two 64-token
+/// blocks instead of one of 128 ran 0.65–0.82× at M = 96 / 128. `forced` (a tile of
+/// [`WG_TILES`]) overrides the choice.
+fn wg_tile(m: usize, forced: Option<usize>) -> (usize, f64) {
+    let fits = |&(t, _): &(usize, f64)| forced.map_or(t >= m, |f| t == f);
+    WG_TILES.into_iter().rev().find(fits).unwrap_or(WG_TILES[0])
 }
 
 /// K splits of the wgmma kernel for `base` blocks per split on `sms` SMs, `stages` 64-deep
@@ -853,7 +843,7 @@ fn wg_tokens_cost(tokens: usize) -> f64 {
 /// split") it keeps the per-SM model's pick on 42 of 48 rows, is 3–13 % faster on five
 /// (7168×18432 at M = 256: 179 → 157 µs) and 4–6 % slower on one (7168×18432 at M = 64, where
 /// it prices 3 and 4 splits 0.2 µs apart). Stages cost `stage_cost` times a 128-token stage
-/// ([`wg_tokens_cost`]).
+/// ([`WG_TILES`]).
 fn wg_splits(
     base: usize,
     sms: usize,
@@ -916,22 +906,17 @@ fn gemm_plan(
     wg: Option<WgDevice>,
 ) -> GemmPlan {
     let tiles = k / GEMM_BK;
-    let wg_min = match knobs().gemm_wg {
-        Some(_) => usize::MAX,
-        None => WG_MIN_M,
-    };
-    if let Some(wg) = wg.filter(|_| m >= wg_min) {
+    if let Some(wg) = wg.filter(|_| m >= WG_MIN_M && !knobs().wgmma_off) {
         let wg_sms = wg.sms;
         let nblocks = n / WG_BN;
         let stages = k / WG_BK;
-        let tokens = knobs().gemm_wg_tokens.unwrap_or_else(|| wg_tokens(m));
+        let (tokens, stage_cost) = wg_tile(m, knobs().gemm_wg_tokens);
         let mblocks = m.div_ceil(tokens);
         // One split has nothing to sum.
         let clustered = |s: usize| s > 1 && (wg.clustered)((nblocks, mblocks, s));
         let splits = knobs()
             .gemm_wg_splits
             .unwrap_or_else(|| {
-                let stage_cost = wg_tokens_cost(tokens);
                 wg_splits(
                     nblocks * mblocks,
                     wg_sms,
@@ -3073,9 +3058,11 @@ mod tests {
             let GemmKernel::Wgmma { tokens } = p.kernel else {
                 panic!("{p:?}")
             };
-            // The smallest tile that holds M (the 16-token tile the smallest of all).
+            // The smallest tile that holds M (or the smallest of all).
+            let smallest = WG_TILES[WG_TILES.len() - 1].0;
             assert!(
-                WG_TOKENS.contains(&tokens) && (tokens == 16 || tokens / 2 < m),
+                WG_TILES.iter().any(|&(t, _)| t == tokens)
+                    && (tokens == smallest || tokens / 2 < m),
                 "{p:?}"
             );
             assert!(
@@ -3101,6 +3088,8 @@ mod tests {
             [5, 16, 17, 32, 33, 64, 65, 128, 129, 300].map(tokens),
             [16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
         );
+        // FORGE_GEMM_WG_TOKENS forces a tile whatever M.
+        assert_eq!([5, 100, 300].map(|m| wg_tile(m, Some(32)).0), [32; 3]);
         // A 16-block grid splits 8 ways, a 56-block one twice, 144 blocks (just over one wave)
         // 3-4 ways; a grid of many waves not at all.
         let splits = |m, n, k| plan(m, n, k).splits;
