@@ -90,6 +90,38 @@ def test_awq_linear_rejects_bad_shapes():
         AwqLinear.from_tensors(qweight, qzeros, scales, 32)(torch.randn(2, 64))
 
 
+def test_compiled_linear_hands_its_tile_copy_to_the_op():
+    """Under torch.compile an AwqLinear passes the tile copy made before compiling to the
+    custom op (which runs the tiled GEMV with it on CUDA; the CPU reference ignores it), and
+    traces without it when there is none; load_state_dict drops the copy, and prepare_decode
+    makes none off CUDA."""
+    from forge import runtime, tile_awq
+
+    qweight, qzeros, scales = random_awq(128, 64, 64)
+    x = torch.randn(2, 128)
+    tiles = tile_awq(qweight)
+    torch.library.opcheck(torch.ops.forge.awq_gemm.default, (x, qweight, qzeros, scales, 64, tiles))
+    mod = AwqLinear.from_tensors(qweight, qzeros, scales, 64)
+    assert runtime.prepare_decode(mod) == 0 and not mod._cache  # CPU: no copy
+    runtime._make_tiles(mod.qweight, mod._cache)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(mod, backend=backend, fullgraph=True)
+    assert rel_err(compiled(x), x @ ref_weight(qweight, qzeros, scales, 64).T) < TOL[torch.float32]
+    calls = [n for n in graphs[-1].graph.nodes if "awq_gemm" in str(n.target)]
+    assert len(calls) == 1 and len(calls[0].args) == 6 and isinstance(calls[0].args[5], torch.fx.Node)
+    mod.load_state_dict(mod.state_dict())
+    assert "tiled" not in mod._cache
+    compiled(x)  # recompiles: the dict no longer holds the copy
+    calls = [n for n in graphs[-1].graph.nodes if "awq_gemm" in str(n.target)]
+    assert len(graphs) == 2 and len(calls) == 1 and calls[0].args[5:] in ((), (None,))
+
+
 def test_awq_gemm_custom_op_opcheck_and_compile():
     """The custom op's fake implementation agrees with the real one; torch.compile traces it."""
     qweight, qzeros, scales = random_awq(128, 64, 32)

@@ -12,6 +12,8 @@ Tolerances:
 * torch.compile(mode="reduce-overhead") against the custom op run eagerly: within one unit in
   the last place of the 16-bit type relative to max |y| (2**-7 bf16, 2**-10 fp16); the GEMM
   is the same kernel, only the fused bias add may round differently.
+  Without a bias, after prepare_decode: bit-exact against the eager layer (decode-sized
+  calls: the tiled GEMV on the same copy) and against the op (larger calls: the GEMM).
 
 Eager calls of at most 16 rows (TILED_MAX_M) run the tiled GEMV on the layer's cached tile-layout copy
 (forge.runtime.TILED_DECODE; checked against float64 in test_cuda.py), which does not round
@@ -144,6 +146,36 @@ def test_reduce_overhead_compile_matches_eager(dtype):
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == before
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduce_overhead_compile_runs_the_tiled_gemv_after_prepare_decode(dtype):
+    """With the tile copy made before compiling (prepare_decode, as load_quantized does on
+    CUDA), the compiled layer's decode-sized calls run the tiled GEMV: bit for bit the eager
+    layer's output (the same kernel), which differs from the GEMM's somewhere; larger calls
+    keep the GEMM, bit for bit. The copy is a static input: no CUDA-graph skip."""
+    torch._dynamo.reset()
+    mod = random_layer(2048, 1024, 128, seed=3)
+    assert runtime.prepare_decode(mod) == 2048 * 1024 // 2
+    assert runtime.prepare_decode(mod) == 0  # already current
+    before = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    compiled = torch.compile(mod, fullgraph=True, mode="reduce-overhead")
+    differs = False
+    for m in (1, 1, 1, 8, 8, 8, 16, 32, 32, 32):
+        x = torch.randn(m, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
+        torch.compiler.cudagraph_mark_step_begin()
+        y = compiled(x).clone()
+        gemm = torch.ops.forge.awq_gemm(x, mod.qweight, mod.qzeros, mod.scales, 128)
+        if m <= runtime.TILED_MAX_M:
+            eager = mod(x)  # the tiled GEMV on the same copy
+            assert torch.equal(y, eager), m
+            differs |= not torch.equal(eager, gemm)
+        else:
+            assert torch.equal(y, gemm), m
+    assert differs, (
+        "the tiled GEMV and the GEMM agreed bit for bit everywhere: the test cannot tell them apart"
+    )
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == before
+
+
 def test_launches_follow_the_current_stream():
     """The kernel runs on torch's current stream: work queued before it on a side stream
     (a long sleep, then the copy that fills x) finishes before it reads x, and its output is
@@ -177,6 +209,12 @@ def test_errors_are_python_exceptions():
             mod.scales,
             32,
         )
+    x = torch.randn(1, 256, device="cuda", dtype=torch.float16)
+    tiles = forge.tile_awq(mod.qweight)
+    with pytest.raises(forge.errors.ShapeError, match="tiles: expected int32"):
+        torch.ops.forge.awq_gemm(x, mod.qweight, mod.qzeros, mod.scales, 32, tiles[:2])
+    with pytest.raises(forge.errors.ShapeError, match="tiles: expected int32"):
+        torch.ops.forge.awq_gemm(x, mod.qweight, mod.qzeros, mod.scales, 32, tiles.cpu())
 
 
 # --------------------------------------------------------------------------- AwqExperts (grouped)

@@ -177,7 +177,7 @@ def evaluate(
     text_path = Path(text_file)
     if not text_path.is_file():
         raise FileNotFoundError(f"text_file: {text_path} does not exist")
-    model, tok = load_quantized(model_dir, device=device, dtype=dtype)
+    model, tok = load_quantized(model_dir, device=device, dtype=dtype, decode=False)  # prefill only
     if tok is None and ref_dir is not None:
         from .loading import _tokenizer
 

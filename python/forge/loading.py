@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError
-from .runtime import PACK, AwqExperts, AwqLinear
+from .runtime import PACK, AwqExperts, AwqLinear, prepare_decode
 
 __all__ = ["load_quantized", "load_fp8_dequantized", "read_checkpoint_config"]
 
@@ -633,6 +633,7 @@ def load_quantized(
     dtype: torch.dtype = torch.bfloat16,
     *,
     tokenizer: bool = True,
+    decode: bool = True,
 ):
     """Loads a 4-bit checkpoint folder as a transformers causal LM with W4A16 modules.
 
@@ -645,6 +646,12 @@ def load_quantized(
     and loads every other tensor in the dtype the model declares (``dtype`` for weights,
     float32 where transformers keeps it). Pruned checkpoints load when the config's expert
     count matches the files. DeepSeek MTP layers are skipped.
+
+    On CUDA with ``decode`` (the default), each :class:`~forge.runtime.AwqLinear` makes its
+    decode copy of the codes now (:func:`forge.runtime.prepare_decode`: ``K·N/2`` more bytes a
+    layer), so that ``generate``'s compiled decode steps run the tiled GEMV; pass
+    ``decode=False`` for prefill-only use (perplexity), where eager decode-sized calls still
+    make the copy on first use.
 
     Returns ``(model, tokenizer)`` (``tokenizer`` is ``None`` when the folder has none that
     ``AutoTokenizer`` can read). Raises :class:`forge.errors.CheckpointError` naming the
@@ -685,6 +692,8 @@ def load_quantized(
 
     model = _assemble(root, shards, quantized, used, dtype)
     model.to(device)
+    if decode:
+        prepare_decode(model)
     model.config.forge_quantization = {
         "format": method,
         **{k: v for k, v in qc.items() if k != "quant_method"},

@@ -34,6 +34,8 @@ the activation's device:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -50,6 +52,7 @@ __all__ = [
     "moe_combine",
     "moe_route",
     "moe_segments",
+    "prepare_decode",
 ]
 
 PACK = 8  # int4 values per int32 word
@@ -155,9 +158,12 @@ def _cuda_gemm(
 TILED_MAX_M = _native.TILED_MAX_M
 #: Whether :func:`awq_linear` (so :class:`AwqLinear`) keeps a tile-layout copy of the codes
 #: (:func:`forge.tile_awq`) for decode-sized CUDA calls (at most :data:`TILED_MAX_M` rows).
-#: The copy is made once per layer, at its first such call outside CUDA-graph capture, and
-#: costs one more ``K·N/2`` bytes of GPU memory per layer (the AWQ tensors stay, for the
-#: larger calls); set this to ``False`` before the first forward to keep memory at one copy.
+#: The copy is made once per layer, at its first such call outside CUDA-graph capture or by
+#: :func:`prepare_decode` (which :func:`forge.load_quantized` calls on CUDA unless told not
+#: to), and costs one more ``K·N/2`` bytes of GPU memory per layer (the AWQ tensors stay, for
+#: the larger calls); set this to ``False`` before the first forward to keep memory at one copy.
+#: Under ``torch.compile`` (transformers' ``generate`` with a static cache compiles its decode
+#: steps) the custom op takes the copy made before compiling.
 TILED_DECODE = True
 
 
@@ -213,14 +219,48 @@ def _decode_tiles(
         return None
     if qweight.device != x.device:
         return None  # let the GEMM path name the device mismatch
-    key = (qweight.device, qweight.data_ptr(), qweight._version)
     entry = cache.get("tiled")
-    if entry is None or entry[0] != key:
+    if entry is None or entry[0] != _tiles_key(qweight):
         if torch.cuda.is_current_stream_capturing():
             return None
-        entry = (key, tile_awq(qweight))
-        cache["tiled"] = entry
+        entry = _make_tiles(qweight, cache)
     return entry[1]
+
+
+def _tiles_key(qweight: torch.Tensor) -> tuple:
+    """What a tile-layout copy was made from: ``qweight``'s device, address and version."""
+    return (qweight.device, qweight.data_ptr(), qweight._version)
+
+
+def _make_tiles(qweight: torch.Tensor, cache: dict) -> tuple:
+    """Makes ``cache["tiled"]`` = (key, :func:`forge.tile_awq` of ``qweight``). The copy is
+    marked a static address, so that a CUDA graph recorded by ``torch.compile``
+    (``mode="reduce-overhead"``) reads it in place instead of copying it in at every replay."""
+    tiles = tile_awq(qweight)
+    torch._dynamo.mark_static_address(tiles)
+    entry = cache["tiled"] = (_tiles_key(qweight), tiles)
+    return entry
+
+
+def prepare_decode(model: nn.Module) -> int:
+    """Makes the tile-layout copy of every CUDA :class:`AwqLinear` in ``model`` now (the copy
+    its decode-sized calls read, see :data:`TILED_DECODE`), instead of at its first
+    decode-sized eager call: a ``torch.compile``'d decode step (transformers' ``generate``
+    with a static cache compiles them, after an eager prefill of many rows) runs the tiled
+    GEMV only with a copy made before compiling. Returns the bytes of GPU memory added (0 with
+    :data:`TILED_DECODE` off, or where every copy is already current)."""
+    added = 0
+    if not TILED_DECODE:
+        return added
+    for mod in model.modules():
+        if not isinstance(mod, AwqLinear) or not mod.qweight.is_cuda:
+            continue
+        if not tiled_ok(mod.in_features, mod.out_features, mod.group_size):
+            continue
+        entry = mod._cache.get("tiled")
+        if entry is None or entry[0] != _tiles_key(mod.qweight):
+            added += _make_tiles(mod.qweight, mod._cache)[1].nbytes
+    return added
 
 
 # --------------------------------------------------------------------------- custom op
@@ -228,16 +268,33 @@ def _decode_tiles(
 
 @torch.library.custom_op("forge::awq_gemm", mutates_args=())
 def awq_gemm(
-    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    tiles: Optional[torch.Tensor] = None,  # noqa: UP045 - the op's schema is inferred from it
 ) -> torch.Tensor:
-    """``x (..., K) @ dequant(W).T`` with forge's kernel (CUDA) or reference (CPU); ``x``'s dtype."""
+    """``x (..., K) @ dequant(W).T`` with forge's kernel (CUDA) or reference (CPU); ``x``'s dtype.
+    With ``tiles`` (:func:`forge.tile_awq` of ``qweight``), CUDA calls of at most
+    :data:`TILED_MAX_M` rows run the tiled GEMV on it (decided per call, so a traced graph
+    with symbolic rows keeps both paths)."""
     if x.is_cuda:
+        if tiles is not None and x.numel() <= TILED_MAX_M * x.shape[-1]:
+            k, n = qweight.shape[0], qweight.shape[-1] * PACK
+            want = (n // 16, k // 64, 32, 4)
+            if tuple(tiles.shape) != want or tiles.dtype != torch.int32 or tiles.device != x.device:
+                raise ShapeError(
+                    f"tiles: expected int32 {want} on {x.device} (forge.tile_awq of qweight), "
+                    f"got {tiles.dtype} {tuple(tiles.shape)} on {tiles.device}"
+                )
+            return _cuda_gemv_tiled(x, qweight, tiles, qzeros, scales, group_size)
         return _cuda_gemm(x, qweight, qzeros, scales, group_size)
     return awq_matmul(x, qweight, qzeros, scales, group_size)
 
 
 @awq_gemm.register_fake
-def _awq_gemm_fake(x, qweight, qzeros, scales, group_size):
+def _awq_gemm_fake(x, qweight, qzeros, scales, group_size, tiles=None):
     return x.new_empty((*x.shape[:-1], scales.shape[-1]))
 
 
@@ -605,7 +662,11 @@ def awq_linear(
     if x.shape[-1] != k:
         raise ShapeError(f"x: expected last dim {k} (in_features), got {tuple(x.shape)}")
     if torch.compiler.is_compiling():
-        y = torch.ops.forge.awq_gemm(x, qweight, qzeros, scales, group_size)
+        # the copy made before compiling (not remade here: AwqLinear drops it on load_state_dict)
+        entry = cache.get("tiled") if cache is not None and decode_tiles and TILED_DECODE else None
+        y = torch.ops.forge.awq_gemm(
+            x, qweight, qzeros, scales, group_size, None if entry is None else entry[1]
+        )
     elif x.is_cuda:
         tiles = None if cache is None or not decode_tiles else _decode_tiles(x, qweight, group_size, cache)
         if tiles is not None:
@@ -727,6 +788,12 @@ class AwqLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, self._cache)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        # copies made from the old tensors (the int4pack, the tile layout) are stale now; a
+        # compiled forward that read the tile copy recompiles on its absence (a dict guard)
+        super()._load_from_state_dict(*args, **kwargs)
+        self._cache.clear()
 
     def extra_repr(self) -> str:
         return (
