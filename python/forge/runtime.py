@@ -247,8 +247,11 @@ def prepare_decode(model: nn.Module) -> int:
     its decode-sized calls read, see :data:`TILED_DECODE`), instead of at its first
     decode-sized eager call: a ``torch.compile``'d decode step (transformers' ``generate``
     with a static cache compiles them, after an eager prefill of many rows) runs the tiled
-    GEMV only with a copy made before compiling. Returns the bytes of GPU memory added (0 with
-    :data:`TILED_DECODE` off, or where every copy is already current)."""
+    GEMV only with a copy made before compiling. A compiled step does not check the copy
+    against ``qweight``: :meth:`AwqLinear.load_state_dict` drops it (so the step recompiles
+    without it), and after any other in-place change of ``qweight`` call this again. Returns
+    the bytes of GPU memory added (0 with :data:`TILED_DECODE` off, or where every copy is
+    already current)."""
     added = 0
     if not TILED_DECODE:
         return added
