@@ -103,7 +103,7 @@ def test_compiled_linear_hands_its_tile_copy_to_the_op():
     torch.library.opcheck(torch.ops.forge.awq_gemm.default, (x, qweight, qzeros, scales, 64, tiles))
     mod = AwqLinear.from_tensors(qweight, qzeros, scales, 64)
     assert runtime.prepare_decode(mod) == 0 and not mod._cache  # CPU: no copy
-    runtime._make_tiles(mod.qweight, mod._cache)
+    runtime._current_tiles(mod.qweight, mod._cache)
     graphs = []
 
     def backend(gm, example_inputs):

@@ -163,6 +163,7 @@ def test_reduce_overhead_compile_runs_the_tiled_gemv_after_prepare_decode(dtype)
         x = torch.randn(m, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
         torch.compiler.cudagraph_mark_step_begin()
         y = compiled(x).clone()
+        assert rel_err(y, x.float() @ ref_weight(mod.qweight, mod.qzeros, mod.scales, 128).T) < TOL[dtype]
         gemm = torch.ops.forge.awq_gemm(x, mod.qweight, mod.qzeros, mod.scales, 128)
         if m <= runtime.TILED_MAX_M:
             eager = mod(x)  # the tiled GEMV on the same copy

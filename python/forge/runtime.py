@@ -219,27 +219,25 @@ def _decode_tiles(
         return None
     if qweight.device != x.device:
         return None  # let the GEMM path name the device mismatch
+    return _current_tiles(qweight, cache)
+
+
+def _current_tiles(qweight: torch.Tensor, cache: dict) -> torch.Tensor | None:
+    """``cache["tiled"]``'s copy of ``qweight`` (:func:`forge.tile_awq`), made where missing or
+    made from another tensor or version (``qweight`` replaced, or changed in place); ``None``
+    where it would be made during CUDA-graph capture. The copy is marked a static address, so
+    that a CUDA graph recorded by ``torch.compile`` (``mode="reduce-overhead"``) reads it in
+    place instead of copying it in at every replay."""
+    key = (qweight.device, qweight.data_ptr(), qweight._version)
     entry = cache.get("tiled")
-    if entry is None or entry[0] != _tiles_key(qweight):
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        entry = _make_tiles(qweight, cache)
-    return entry[1]
-
-
-def _tiles_key(qweight: torch.Tensor) -> tuple:
-    """What a tile-layout copy was made from: ``qweight``'s device, address and version."""
-    return (qweight.device, qweight.data_ptr(), qweight._version)
-
-
-def _make_tiles(qweight: torch.Tensor, cache: dict) -> tuple:
-    """Makes ``cache["tiled"]`` = (key, :func:`forge.tile_awq` of ``qweight``). The copy is
-    marked a static address, so that a CUDA graph recorded by ``torch.compile``
-    (``mode="reduce-overhead"``) reads it in place instead of copying it in at every replay."""
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    if qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
     tiles = tile_awq(qweight)
     torch._dynamo.mark_static_address(tiles)
-    entry = cache["tiled"] = (_tiles_key(qweight), tiles)
-    return entry
+    cache["tiled"] = (key, tiles)
+    return tiles
 
 
 def prepare_decode(model: nn.Module) -> int:
@@ -260,9 +258,10 @@ def prepare_decode(model: nn.Module) -> int:
             continue
         if not tiled_ok(mod.in_features, mod.out_features, mod.group_size):
             continue
-        entry = mod._cache.get("tiled")
-        if entry is None or entry[0] != _tiles_key(mod.qweight):
-            added += _make_tiles(mod.qweight, mod._cache)[1].nbytes
+        before = mod._cache.get("tiled")
+        tiles = _current_tiles(mod.qweight, mod._cache)
+        if tiles is not None and (before is None or before[1] is not tiles):
+            added += tiles.nbytes
     return added
 
 
