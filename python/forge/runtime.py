@@ -182,11 +182,19 @@ def _cuda_gemv_tiled(
     group_size: int,
 ) -> torch.Tensor:
     """:func:`_cuda_gemm` for at most :data:`TILED_MAX_M` rows, reading the codes from
-    ``qweight_tiled`` (:func:`forge.tile_awq` of ``qweight``, which names the shape): one
-    launch, no scratch, nothing read back (CUDA-graph safe)."""
+    ``qweight_tiled`` (:func:`forge.tile_awq` of ``qweight``, which names the shape; checked
+    here, since the kernel gets its address only): one launch, no scratch, nothing read back
+    (CUDA-graph safe)."""
     _, k, n = _check_device_awq(qweight, qzeros, scales, group_size, x.device, stacked=False)
     if x.shape[-1] != k:
         raise ShapeError(f"x: expected last dim {k} (in_features), got {tuple(x.shape)}")
+    want = (n // 16, k // 64, 32, 4)
+    t = qweight_tiled
+    if tuple(t.shape) != want or t.dtype != torch.int32 or t.device != x.device or not t.is_contiguous():
+        raise ShapeError(
+            f"tiles: expected int32 {want}, contiguous, on {x.device} (forge.tile_awq of qweight), "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
     qzeros, scales = qzeros.contiguous(), scales.contiguous()
     xa, y, m, index = _launch_io(x, k, n)
     if m == 0:
@@ -208,6 +216,11 @@ def _cuda_gemv_tiled(
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+def _decode_sized(x: torch.Tensor) -> bool:
+    """Whether a call on ``x (..., K)`` has at most :data:`TILED_MAX_M` rows (the tiled GEMV's)."""
+    return x.numel() <= TILED_MAX_M * x.shape[-1]
+
+
 def _decode_tiles(
     x: torch.Tensor, qweight: torch.Tensor, group_size: int, cache: dict
 ) -> torch.Tensor | None:
@@ -215,7 +228,7 @@ def _decode_tiles(
     graph capture) and remade when ``qweight`` is replaced or modified in place; ``None``
     where the call goes to the GEMM."""
     k, n = qweight.shape[0], qweight.shape[1] * PACK
-    if not TILED_DECODE or x.numel() > TILED_MAX_M * k or not tiled_ok(k, n, group_size):
+    if not TILED_DECODE or not _decode_sized(x) or not tiled_ok(k, n, group_size):
         return None
     if qweight.device != x.device:
         return None  # let the GEMM path name the device mismatch
@@ -282,14 +295,7 @@ def awq_gemm(
     :data:`TILED_MAX_M` rows run the tiled GEMV on it (decided per call, so a traced graph
     with symbolic rows keeps both paths)."""
     if x.is_cuda:
-        if tiles is not None and x.numel() <= TILED_MAX_M * x.shape[-1]:
-            k, n = qweight.shape[0], qweight.shape[-1] * PACK
-            want = (n // 16, k // 64, 32, 4)
-            if tuple(tiles.shape) != want or tiles.dtype != torch.int32 or tiles.device != x.device:
-                raise ShapeError(
-                    f"tiles: expected int32 {want} on {x.device} (forge.tile_awq of qweight), "
-                    f"got {tiles.dtype} {tuple(tiles.shape)} on {tiles.device}"
-                )
+        if tiles is not None and _decode_sized(x):
             return _cuda_gemv_tiled(x, qweight, tiles, qzeros, scales, group_size)
         return _cuda_gemm(x, qweight, qzeros, scales, group_size)
     return awq_matmul(x, qweight, qzeros, scales, group_size)
