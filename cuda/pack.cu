@@ -37,22 +37,24 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
 // one division (G >= 32: the next quarter is at most one group further; a division or remainder
 // by the runtime G per quarter cost ~20 instructions each). A power-of-two G (32, 64, 128)
 // divides by a shift.
-struct PackTile {
+// Q = the tile's quarters (64 inputs: 2; FP8's 128: 4), BN its rows.
+template <int Q> struct PackTileQ {
     int n0, k0, ng, quarters;
-    int grp[QP_BK / 32];
-    bool start[QP_BK / 32];
+    int grp[Q];
+    bool start[Q];
 };
-__device__ __forceinline__ PackTile pack_tile(int K, int G) {
-    PackTile t;
-    t.n0 = blockIdx.y * QP_BN;
-    t.k0 = blockIdx.x * QP_BK;
+typedef PackTileQ<QP_BK / 32> PackTile;
+template <int BN, int Q> __device__ __forceinline__ PackTileQ<Q> pack_tile_q(int K, int G) {
+    PackTileQ<Q> t;
+    t.n0 = blockIdx.y * BN;
+    t.k0 = blockIdx.x * 32 * Q;
     const bool g_pow2 = (G & (G - 1)) == 0;
     const int g_shift = __ffs(G) - 1;
     t.ng = g_pow2 ? K >> g_shift : K / G;
-    t.quarters = min(QP_BK / 32, (K - t.k0) / 32);
+    t.quarters = min(Q, (K - t.k0) / 32);
     int grp = g_pow2 ? t.k0 >> g_shift : t.k0 / G, rem = t.k0 - grp * G;
 #pragma unroll
-    for (int h = 0; h < QP_BK / 32; h++) {
+    for (int h = 0; h < Q; h++) {
         if (h > 0 && (rem += 32) >= G) {
             rem -= G;
             grp++;
@@ -62,16 +64,18 @@ __device__ __forceinline__ PackTile pack_tile(int K, int G) {
     }
     return t;
 }
+__device__ __forceinline__ PackTile pack_tile(int K, int G) { return pack_tile_q<QP_BN, QP_BK / 32>(K, G); }
 
 // Group metadata, once per group, by the tile that holds the group's first input: thread t
 // (row n = n0 + t) writes its row's scale from the grid it decoded (p[h] of quarter h), and an
 // octet of lanes (rows 8c..8c+7; N % 8 == 0, so an octet is all in or all out) ORs its zero
 // points into the AWQ word by shuffles — nothing is read again at the block's end. Every thread
 // of the block calls it (the shuffles).
-__device__ __forceinline__ void write_group_meta(const PackTile& t, const GroupParams* p, int n, int N, u16* scales,
+template <int Q>
+__device__ __forceinline__ void write_group_meta(const PackTileQ<Q>& t, const GroupParams* p, int n, int N, u16* scales,
                                                  u32* qzeros) {
 #pragma unroll
-    for (int h = 0; h < QP_BK / 32; h++) {
+    for (int h = 0; h < Q; h++) {
         if (h < t.quarters && t.start[h]) {
             const int grp = t.grp[h], j = threadIdx.x & 7;
             u32 zw = 0;
@@ -83,6 +87,24 @@ __device__ __forceinline__ void write_group_meta(const PackTile& t, const GroupP
             zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 2);
             zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 4);
             if (j == 0 && n < N) qzeros[(i64)grp * (N / 8) + n / 8] = zw;
+        }
+    }
+}
+
+// Row n's grids for the tile's groups (p[h] for quarter h; G >= 32), each group's (1/scale,
+// zero) stored at slot[(group - the tile's first) * stride] for the quantizing lanes.
+template <int Q>
+__device__ __forceinline__ void tile_row_grids(const PackTileQ<Q>& t, const u32* qmeta, int n, int N, int bits,
+                                               GroupParams* p, float2* slot, int stride) {
+    if (n >= N) return;
+    const u32* qm = qmeta + (i64)n * t.ng;
+#pragma unroll
+    for (int h = 0; h < Q; h++) {
+        if (h == 0 || (h < t.quarters && t.start[h])) {
+            p[h] = qmeta_params(qm[t.grp[h]], bits);
+            slot[(t.grp[h] - t.grp[0]) * stride] = make_float2(p[h].inv, p[h].zero);
+        } else {
+            p[h] = p[h - 1];
         }
     }
 }
@@ -149,20 +171,8 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
     const float sc = live && bs != nullptr ? block_scale(bs, bcols, n0 + 8 * c, k0) : 1.0f;
     // Row tid's grid for the tile's groups (one or two: G >= 32), and the group metadata.
     const int n = n0 + tid;
-    const int pslot = (tid & 7) * 32 + (tid >> 3);
     GroupParams p[QUARTERS];
-    if (n < N) {
-        const u32* qm = qmeta + (i64)n * t.ng;
-#pragma unroll
-        for (int h = 0; h < QUARTERS; h++) {
-            if (h == 0 || (h < quarters && t.start[h])) {
-                p[h] = qmeta_params(qm[t.grp[h]], bits);
-                prm[t.grp[h] - t.grp[0]][pslot] = make_float2(p[h].inv, p[h].zero);
-            } else {
-                p[h] = p[h - 1];
-            }
-        }
-    }
+    tile_row_grids(t, qmeta, n, N, bits, p, &prm[0][(tid & 7) * 32 + (tid >> 3)], QP_BN);
     write_group_meta(t, p, n, N, scales, qzeros);
     cp_async_wait<0>();
     __syncthreads();
@@ -215,8 +225,82 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
     }
 FORGE_QPACK_SQ_ENTRY(f16, FORGE_DT_F16)
 FORGE_QPACK_SQ_ENTRY(bf16, FORGE_DT_BF16)
-FORGE_QPACK_SQ_ENTRY(f8e4m3, FORGE_DT_F8E4M3)
 FORGE_QPACK_SQ_ENTRY(f32, FORGE_DT_F32)
+
+// ---- FP8: 128 rows x 128 inputs ----------------------------------------------------------------
+// The squares above for E4M3 bytes on a tile of 128 rows x 128 inputs (16 KB, as the others' 256
+// x 64), so that a row's tile bytes are one whole 128-byte line: 16-byte copies, a warp's 32
+// covering 4 rows (the 64-input tile's 8-byte copies took about twice the L1 wavefronts a byte,
+// the MIO throttle its warps stalled on most), and one grid read a row for G = 128 (the 64-input
+// tiles read each grid twice, a 32-byte sector for 4 bytes each time). Lane l of warp w
+// quantizes rows 8c..8c+7 (c = l % 16) at run q = 2w + l / 16 (inputs 8q..8q+7); a row's 16-byte
+// chunk k (runs 2k, 2k + 1) sits at chunk k ^ ((row / 8) % 8), so a warp's 8-byte reads of runs
+// 2w, 2w + 1 from 16 rows 8 apart take the 2 wavefronts 256 bytes need. Threads 0..127 decode
+// their row's grids for the tile's 1-4 groups and write the group metadata.
+#define QP8_BN 128
+#define QP8_BK 128
+extern "C" __global__ void __launch_bounds__(256, 8)
+    awq_quant_pack_f8e4m3(const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K,
+                          int G, int bits, const float* bs, int bcols) {
+    constexpr int Q = QP8_BK / 32;
+    extern __shared__ __align__(128) u8 tile[];     // QP8_BN * QP8_BK bytes (ops.rs pack_smem)
+    __shared__ float2 prm[Q][QP8_BN];             // (1/scale, zero) of the tile's groups, row r at (r % 8)·16 + r / 8
+    const int tid = threadIdx.x;
+    const PackTileQ<Q> t = pack_tile_q<QP8_BN, Q>(K, G);
+    const int n0 = t.n0, k0 = t.k0, quarters = t.quarters;
+    const u32 maxq = (1u << bits) - 1u;
+    const int rows = min(QP8_BN, N - n0), chunks = 2 * quarters;
+    {
+        // Copy i of thread t: row t / 8 + 32 i, chunk t % 8 (16 bytes, runs 2k and 2k + 1).
+        const int r0 = tid >> 3, k = tid & 7;
+        const u32 tb = smem_u32(tile);
+        const u8* src = (const u8*)w + (i64)(n0 + r0) * K + k0 + 16 * k;
+        if (k < chunks) {
+#pragma unroll
+            for (int i = 0; i < QP8_BN / 32; i++) {
+                const int r = r0 + 32 * i;
+                if (r < rows) cp_async16_s(tb + 128 * r + 16 * (k ^ ((r >> 3) & 7)), src, 16);
+                src += (i64)32 * K;
+            }
+        }
+    }
+    cp_async_commit();
+    const int warp = tid >> 5, lane = tid & 31, c = lane & 15, q = 2 * warp + (lane >> 4);
+    const bool live = q < 4 * quarters && 8 * c < rows;
+    // This lane's block scale: the tile is one 128 x 128 block.
+    const float sc = live && bs != nullptr ? block_scale(bs, bcols, n0, k0) : 1.0f;
+    if (warp < QP8_BN / 32) {
+        const int n = n0 + tid;
+        GroupParams p[Q];
+        tile_row_grids(t, qmeta, n, N, bits, p, &prm[0][(tid & 7) * 16 + (tid >> 3)], QP8_BN);
+        write_group_meta(t, p, n, N, scales, qzeros);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (!live) return;
+    // The group slot of quarter q / 4 (t.grp indexed at run time would sit in local memory).
+    const int x = t.k0 - t.grp[0] * G + 32 * (q >> 2);
+    const float2* pr = prm[(G & (G - 1)) == 0 ? x >> (__ffs(G) - 1) : x / G] + c;
+    // Run q of row 8c + j: chunk q / 2 at (q / 2) ^ (c % 8), its half q % 2.
+    const u8* tr = tile + 1024 * c + 16 * ((q >> 1) ^ (c & 7)) + 8 * (q & 1);
+    u32 words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        float v0[8], v1[8];
+        const uint2 a = *(const uint2*)(tr + 256 * m), b = *(const uint2*)(tr + 256 * m + 128);
+        e4m3x8_to_f32(a.x, a.y, v0);
+        e4m3x8_to_f32(b.x, b.y, v1);
+        const float2 g0 = pr[(2 * m) * 16], g1 = pr[(2 * m + 1) * 16];
+        const GroupParams p0{0.0f, g0.x, g0.y, 0.0f}, p1{0.0f, g1.x, g1.y, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            words[j] += quant_code_u16x2(v0[j] * sc, p0, v1[j] * sc, p1, maxq) << (4 * m);  // codes <= 15: + is |
+    }
+    const int NW = N / 8;
+    u32* dst = qweight + (i64)(k0 + 8 * q) * NW + n0 / 8 + c;
+#pragma unroll
+    for (int j = 0; j < 8; j++, dst += NW) *dst = words[j];
+}
 
 // codes [K, N] u8 -> AWQ qweight [K, N/8]; one word per thread.
 extern "C" __global__ void awq_pack_codes(const u8* codes, u32* qweight, int K, int N) {

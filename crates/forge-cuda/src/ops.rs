@@ -447,21 +447,28 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
     );
     let (mut bs, mut bcols) = (a.block_scale, to_i32("k", k.div_ceil(FP8_BLOCK))?);
     let mut p = args!(pw, pm, pqw, pqz, psc, nn, kk, g, bits, bs, bcols);
-    let grid = (blocks(k, PACK_TILE_K)?, blocks(n, PACK_TILE_N)?, 1);
-    // As many threads as rows: thread t decodes row t's grid, a lane quantizes 8 rows × 8 inputs.
-    let block = (PACK_TILE_N as u32, 1, 1);
+    let (tile_n, tile_k) = pack_tile(a.dtype);
+    let grid = (blocks(k, tile_k)?, blocks(n, tile_n)?, 1);
     // SAFETY: parameter list matches awq_quant_pack_<dt>; its row tiles take `pack_smem` bytes.
-    unsafe { launch(dev, f, grid, block, pack_smem(a.dtype), s.handle, &mut p) }
+    unsafe { launch(dev, f, grid, (PACK_THREADS, 1, 1), pack_smem(a.dtype), s.handle, &mut p) }
 }
 
-/// Inputs of a row per block of `awq_quant_pack_<dt>` (pack.cu `QP_BK`, every dtype).
-const PACK_TILE_K: usize = 64;
-/// Rows per block of `awq_quant_pack_<dt>` (pack.cu `QP_BN`), and its threads.
-const PACK_TILE_N: usize = 256;
+/// Threads a block of `awq_quant_pack_<dt>`: a lane quantizes 8 rows × 8 inputs.
+const PACK_THREADS: u32 = 256;
 
-/// Dynamic shared memory of `awq_quant_pack_<dt>`: its block's row tiles (16, 32 or 64 KB).
+/// The tile of a block of `awq_quant_pack_<dt>`, (rows, inputs): pack.cu `QP_BN` × `QP_BK`
+/// (256 × 64), and for FP8 `QP8_BN` × `QP8_BK` (128 × 128: a row's tile bytes one 128-byte line).
+pub(crate) const fn pack_tile(dt: DType) -> (usize, usize) {
+    match dt {
+        DType::F8E4M3 => (128, 128),
+        _ => (256, 64),
+    }
+}
+
+/// Dynamic shared memory of `awq_quant_pack_<dt>`: its block's tile (16, 32 or 64 KB).
 pub(crate) const fn pack_smem(dt: DType) -> u32 {
-    (PACK_TILE_N * PACK_TILE_K * dt.size()) as u32
+    let (tn, tk) = pack_tile(dt);
+    (tn * tk * dt.size()) as u32
 }
 
 /// Packs `a.codes [K, N]` with their grid into the AWQ layout of `out` (see [`PackCodes`]
