@@ -360,10 +360,6 @@ __device__ __forceinline__ u16 lds_u16(u32 a) {
 __device__ __forceinline__ void cp_async16_s(u32 saddr, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
 }
-// 8 bytes global -> shared (through L1), both 8-byte aligned.
-__device__ __forceinline__ void cp_async8_s(u32 saddr, const void* gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(saddr), "l"(gmem));
-}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
     cp_async16_s(smem_u32(smem), gmem, src_bytes);
 }

@@ -23,11 +23,10 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
     return ((m >> 24) & 1u) ? (1u << (bits - 1)) : ((m >> 16) & 0xFFu);
 }
 
-// Tile: 256 output rows (n) x QP_BK = 64 inputs (k), 256 threads, for every dtype; ops.rs
-// launches ceil(K/QP_BK) x ceil(N/256) blocks, the k-tiles of the same rows side by side, so
-// the weight rows stream contiguously, with the row tiles' 256·QP_BK·EB bytes of dynamic shared
-// memory. (128-input fp8 tiles were no faster on big matrices and 13-16 % slower on
-// expert-sized ones.)
+// Tile: 256 output rows (n) x QP_BK = 64 inputs (k), 256 threads, for the 16- and 32-bit types
+// (FP8: 128 x 128, QP8_BN x QP8_BK below); ops.rs (pack_tile) launches ceil(K/inputs) x
+// ceil(N/rows) blocks, the k-tiles of the same rows side by side, so the weight rows stream
+// contiguously, with the tile's rows·inputs·EB bytes of dynamic shared memory.
 #define QP_BN 256
 #define QP_BK 64
 
@@ -126,10 +125,8 @@ __device__ __forceinline__ void tile_row_grids(const PackTileQ<Q>& t, const u32*
 // and was slower on two of three shapes.)
 template <int EB> __device__ __forceinline__ u32 sq_tile_addr(int r, int p) {
     // Row r (0..255) of 64·EB bytes, run p (0..7) of 8·EB bytes. A warp reads run w of rows
-    // 8c + j (c = lane): the XOR by (r / 8) % 8 spreads them over 8 runs; fp8 rows (64 bytes,
-    // two a 128-byte bank line) also swap halves by (r / 64) % 2, so 16 lanes cover 16 places.
-    const int row = EB == 1 ? r ^ ((r >> 6) & 1) : r;
-    return (u32)(row * 64 * EB + 8 * EB * (p ^ ((r >> 3) & 7)));
+    // 8c + j (c = lane): the XOR by (r / 8) % 8 spreads them over 8 runs.
+    return (u32)(r * 64 * EB + 8 * EB * (p ^ ((r >> 3) & 7)));
 }
 template <int DT>
 __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmeta, u32* qweight, u32* qzeros,
@@ -137,6 +134,7 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
                                                   int bcols) {
     constexpr int EB = ElemBytes<DT>::v, BK = QP_BK, QUARTERS = BK / 32;
     static_assert(QUARTERS == 2, "64-input tiles");
+    static_assert(EB >= 2, "16- and 32-bit types (FP8: awq_quant_pack_f8e4m3)");
     extern __shared__ __align__(128) u8 tile[];  // QP_BN * BK * EB bytes (ops.rs pack_smem)
     __shared__ float2 prm[2][QP_BN];  // (1/scale, zero) of the tile's groups, row r at (r % 8)·32 + r / 8
     const int tid = threadIdx.x;
@@ -155,7 +153,6 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
             for (int i = 0; i < 8; i++) {
                 const u32 dst = tbase + sq_tile_addr<EB>(r0 + 32 * i, p);
                 if (r0 + 32 * i < rows) {
-                    if (EB == 1) cp_async8_s(dst, src);
 #pragma unroll
                     for (int b = 0; b < EB / 2; b++) cp_async16_s(dst + 16 * b, src + 16 * b, 16);  // a run: 8·EB bytes
                 }
@@ -178,20 +175,15 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
     __syncthreads();
     if (!live) return;
     const float2* pr = prm[warp >= 4 ? t.grp[1] - t.grp[0] : 0] + c;
-    // FP8 multiplies by sc = 1 without block scales (exact); the 16-bit types skip the multiply.
-    const bool mul = DT == FORGE_DT_F8E4M3 || bs != nullptr;
+    const bool mul = bs != nullptr;  // no block scale: no multiply
     u32 words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
 #pragma unroll
     for (int m = 0; m < 4; m++) {
         float v0[8], v1[8];
         // The two rows' runs as decode_run reads a row's loaded words (f32: two 16-byte words).
-        uint4 a[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)}, b[2] = {a[0], a[1]};
+        uint4 a[2], b[2];
         const u8* ta = tile + sq_tile_addr<EB>(8 * c + 2 * m, warp);
         const u8* tb = tile + sq_tile_addr<EB>(8 * c + 2 * m + 1, warp);
-        if (EB == 1) {
-            const uint2 a2 = *(const uint2*)ta, b2 = *(const uint2*)tb;
-            a[0].x = a2.x, a[0].y = a2.y, b[0].x = b2.x, b[0].y = b2.y;
-        }
 #pragma unroll
         for (int v = 0; v < EB / 2; v++) {
             a[v] = ((const uint4*)ta)[v];
@@ -214,9 +206,9 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
     for (int j = 0; j < 8; j++, dst += NW) *dst = words[j];
 }
 
-// At most 32 registers (no spills): 8 fp8 blocks an SM, so the expert shapes' 896 blocks run
-// in one wave (at 40 registers, 6 an SM, 1.13 waves): 7168x2048 FP8 with block scales 10.1 ->
-// 9.8 µs, 2048x7168 9.9 -> 9.5, 18432x7168 equal, bf16 2-4 % faster (H100, kernel alone).
+// At most 32 registers (no spills): the expert shapes' 896 blocks run in one wave (at 40
+// registers, 6 an SM, 1.13 waves): bf16 2-4 % faster (H100, kernel alone; FP8, then on these
+// tiles, 3-4 %).
 #define FORGE_QPACK_SQ_ENTRY(SUF, DT)                                                                    \
     extern "C" __global__ void __launch_bounds__(256, 7) awq_quant_pack_##SUF(                           \
         const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K, int G,     \

@@ -449,8 +449,9 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
     let mut p = args!(pw, pm, pqw, pqz, psc, nn, kk, g, bits, bs, bcols);
     let (tile_n, tile_k) = pack_tile(a.dtype);
     let grid = (blocks(k, tile_k)?, blocks(n, tile_n)?, 1);
-    // SAFETY: parameter list matches awq_quant_pack_<dt>; its row tiles take `pack_smem` bytes.
-    unsafe { launch(dev, f, grid, (PACK_THREADS, 1, 1), pack_smem(a.dtype), s.handle, &mut p) }
+    let block = (PACK_THREADS, 1, 1);
+    // SAFETY: parameter list matches awq_quant_pack_<dt>; its tile takes `pack_smem` bytes.
+    unsafe { launch(dev, f, grid, block, pack_smem(a.dtype), s.handle, &mut p) }
 }
 
 /// Threads a block of `awq_quant_pack_<dt>`: a lane quantizes 8 rows × 8 inputs.
