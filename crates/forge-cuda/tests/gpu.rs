@@ -254,8 +254,9 @@ fn assert_quantize_pack(a: &ops::QuantizePack, want: &forge_core::pack::AwqTenso
 #[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
 fn awq_quantize_pack_bit_exact() {
     assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
-    // 96: groups starting inside the kernel's 64-input tiles; k = 160 and 480: a half last
-    // tile; 520 and 264 rows: a partial row tile.
+    // 96: groups starting inside the kernel's tiles (64 inputs; FP8's 128); k = 160 and 480: a
+    // half last tile (FP8: one and three of its four 32-input quarters); 520, 264 and 40 rows: a
+    // partial row tile (256 rows; FP8's 128).
     for (g, sym) in [
         (128usize, false),
         (128, true),
