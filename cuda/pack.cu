@@ -35,12 +35,17 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
 // can only start at a quarter), and each quarter's group and whether a group starts there, from
 // one division (G >= 32: the next quarter is at most one group further; a division or remainder
 // by the runtime G per quarter cost ~20 instructions each). A power-of-two G (32, 64, 128)
-// divides by a shift.
-// Q = the tile's quarters (64 inputs: 2; FP8's 128: 4), BN its rows.
+// divides by a shift. Q = the tile's quarters (64 inputs: 2; FP8's 128: 4), BN its rows.
 template <int Q> struct PackTileQ {
     int n0, k0, ng, quarters;
     int grp[Q];
     bool start[Q];
+    // The group slot (group - grp[0]) of quarter h known only at run time (grp[h] indexed at
+    // run time would sit in local memory), from k0 % G as pack_tile_q divides.
+    __device__ __forceinline__ int slot(int h, int G) const {
+        const int x = k0 - grp[0] * G + 32 * h;
+        return (G & (G - 1)) == 0 ? x >> (__ffs(G) - 1) : x / G;
+    }
 };
 typedef PackTileQ<QP_BK / 32> PackTile;
 template <int BN, int Q> __device__ __forceinline__ PackTileQ<Q> pack_tile_q(int K, int G) {
@@ -65,14 +70,28 @@ template <int BN, int Q> __device__ __forceinline__ PackTileQ<Q> pack_tile_q(int
 }
 __device__ __forceinline__ PackTile pack_tile(int K, int G) { return pack_tile_q<QP_BN, QP_BK / 32>(K, G); }
 
-// Group metadata, once per group, by the tile that holds the group's first input: thread t
-// (row n = n0 + t) writes its row's scale from the grid it decoded (p[h] of quarter h), and an
+// Row n's grids for the tile's groups (G >= 32): each group's (1/scale, zero) stored at
+// slot[(group - the tile's first) * stride] for the quantizing lanes, and the group metadata,
+// once per group, by the tile that holds the group's first input: the row's scale, and an
 // octet of lanes (rows 8c..8c+7; N % 8 == 0, so an octet is all in or all out) ORs its zero
-// points into the AWQ word by shuffles — nothing is read again at the block's end. Every thread
-// of the block calls it (the shuffles).
+// points into the AWQ word by shuffles — nothing is read again at the block's end. Every lane
+// of a warp that calls it takes part (the shuffles).
 template <int Q>
-__device__ __forceinline__ void write_group_meta(const PackTileQ<Q>& t, const GroupParams* p, int n, int N, u16* scales,
-                                                 u32* qzeros) {
+__device__ __forceinline__ void row_grids_and_meta(const PackTileQ<Q>& t, const u32* qmeta, int n, int N, int bits,
+                                                   float2* slot, int stride, u16* scales, u32* qzeros) {
+    GroupParams p[Q];
+    if (n < N) {
+        const u32* qm = qmeta + (i64)n * t.ng;
+#pragma unroll
+        for (int h = 0; h < Q; h++) {
+            if (h == 0 || (h < t.quarters && t.start[h])) {
+                p[h] = qmeta_params(qm[t.grp[h]], bits);
+                slot[(t.grp[h] - t.grp[0]) * stride] = make_float2(p[h].inv, p[h].zero);
+            } else {
+                p[h] = p[h - 1];
+            }
+        }
+    }
 #pragma unroll
     for (int h = 0; h < Q; h++) {
         if (h < t.quarters && t.start[h]) {
@@ -86,24 +105,6 @@ __device__ __forceinline__ void write_group_meta(const PackTileQ<Q>& t, const Gr
             zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 2);
             zw |= __shfl_xor_sync(0xFFFFFFFFu, zw, 4);
             if (j == 0 && n < N) qzeros[(i64)grp * (N / 8) + n / 8] = zw;
-        }
-    }
-}
-
-// Row n's grids for the tile's groups (p[h] for quarter h; G >= 32), each group's (1/scale,
-// zero) stored at slot[(group - the tile's first) * stride] for the quantizing lanes.
-template <int Q>
-__device__ __forceinline__ void tile_row_grids(const PackTileQ<Q>& t, const u32* qmeta, int n, int N, int bits,
-                                               GroupParams* p, float2* slot, int stride) {
-    if (n >= N) return;
-    const u32* qm = qmeta + (i64)n * t.ng;
-#pragma unroll
-    for (int h = 0; h < Q; h++) {
-        if (h == 0 || (h < t.quarters && t.start[h])) {
-            p[h] = qmeta_params(qm[t.grp[h]], bits);
-            slot[(t.grp[h] - t.grp[0]) * stride] = make_float2(p[h].inv, p[h].zero);
-        } else {
-            p[h] = p[h - 1];
         }
     }
 }
@@ -166,11 +167,8 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
     // This lane's block scale (its 8 rows and 8 inputs lie in one 128 x 128 block), loaded
     // before the grid so that both trips overlap the tile's.
     const float sc = live && bs != nullptr ? block_scale(bs, bcols, n0 + 8 * c, k0) : 1.0f;
-    // Row tid's grid for the tile's groups (one or two: G >= 32), and the group metadata.
-    const int n = n0 + tid;
-    GroupParams p[QUARTERS];
-    tile_row_grids(t, qmeta, n, N, bits, p, &prm[0][(tid & 7) * 32 + (tid >> 3)], QP_BN);
-    write_group_meta(t, p, n, N, scales, qzeros);
+    // Row tid's grid for the tile's groups (one or two), and the group metadata.
+    row_grids_and_meta(t, qmeta, n0 + tid, N, bits, &prm[0][(tid & 7) * 32 + (tid >> 3)], QP_BN, scales, qzeros);
     cp_async_wait<0>();
     __syncthreads();
     if (!live) return;
@@ -261,18 +259,12 @@ extern "C" __global__ void __launch_bounds__(256, 8)
     const bool live = q < 4 * quarters && 8 * c < rows;
     // This lane's block scale: the tile is one 128 x 128 block.
     const float sc = live && bs != nullptr ? block_scale(bs, bcols, n0, k0) : 1.0f;
-    if (warp < QP8_BN / 32) {
-        const int n = n0 + tid;
-        GroupParams p[Q];
-        tile_row_grids(t, qmeta, n, N, bits, p, &prm[0][(tid & 7) * 16 + (tid >> 3)], QP8_BN);
-        write_group_meta(t, p, n, N, scales, qzeros);
-    }
+    if (warp < QP8_BN / 32)
+        row_grids_and_meta(t, qmeta, n0 + tid, N, bits, &prm[0][(tid & 7) * 16 + (tid >> 3)], QP8_BN, scales, qzeros);
     cp_async_wait<0>();
     __syncthreads();
     if (!live) return;
-    // The group slot of quarter q / 4 (t.grp indexed at run time would sit in local memory).
-    const int x = t.k0 - t.grp[0] * G + 32 * (q >> 2);
-    const float2* pr = prm[(G & (G - 1)) == 0 ? x >> (__ffs(G) - 1) : x / G] + c;
+    const float2* pr = prm[t.slot(q >> 2, G)] + c;  // run q lies in quarter q / 4
     // Run q of row 8c + j: chunk q / 2 at (q / 2) ^ (c % 8), its half q % 2.
     const u8* tr = tile + 1024 * c + 16 * ((q >> 1) ^ (c & 7)) + 8 * (q & 1);
     u32 words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
