@@ -24,7 +24,7 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
 }
 
 // Tile: 256 output rows (n) x QP_BK = 64 inputs (k), 256 threads, for the 16- and 32-bit types
-// (FP8: 128 x 128, QP8_BN x QP8_BK below); ops.rs (pack_tile) launches ceil(K/inputs) x
+// (FP8: 64 x 256, QP8_BN x QP8_BK below); ops.rs (pack_tile) launches ceil(K/inputs) x
 // ceil(N/rows) blocks, the k-tiles of the same rows side by side, so the weight rows stream
 // contiguously, with the tile's rows·inputs·EB bytes of dynamic shared memory.
 #define QP_BN 256
@@ -35,30 +35,23 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
 // can only start at a quarter), and each quarter's group and whether a group starts there, from
 // one division (G >= 32: the next quarter is at most one group further; a division or remainder
 // by the runtime G per quarter cost ~20 instructions each). A power-of-two G (32, 64, 128)
-// divides by a shift. Q = the tile's quarters (64 inputs: 2; FP8's 128: 4), BN its rows.
-template <int Q> struct PackTileQ {
+// divides by a shift.
+struct PackTile {
     int n0, k0, ng, quarters;
-    int grp[Q];
-    bool start[Q];
-    // The group slot (group - grp[0]) of quarter h known only at run time (grp[h] indexed at
-    // run time would sit in local memory), from k0 % G as pack_tile_q divides.
-    __device__ __forceinline__ int slot(int h, int G) const {
-        const int x = k0 - grp[0] * G + 32 * h;
-        return (G & (G - 1)) == 0 ? x >> (__ffs(G) - 1) : x / G;
-    }
+    int grp[QP_BK / 32];
+    bool start[QP_BK / 32];
 };
-typedef PackTileQ<QP_BK / 32> PackTile;
-template <int BN, int Q> __device__ __forceinline__ PackTileQ<Q> pack_tile_q(int K, int G) {
-    PackTileQ<Q> t;
-    t.n0 = blockIdx.y * BN;
-    t.k0 = blockIdx.x * 32 * Q;
+__device__ __forceinline__ PackTile pack_tile(int K, int G) {
+    PackTile t;
+    t.n0 = blockIdx.y * QP_BN;
+    t.k0 = blockIdx.x * QP_BK;
     const bool g_pow2 = (G & (G - 1)) == 0;
     const int g_shift = __ffs(G) - 1;
     t.ng = g_pow2 ? K >> g_shift : K / G;
-    t.quarters = min(Q, (K - t.k0) / 32);
+    t.quarters = min(QP_BK / 32, (K - t.k0) / 32);
     int grp = g_pow2 ? t.k0 >> g_shift : t.k0 / G, rem = t.k0 - grp * G;
 #pragma unroll
-    for (int h = 0; h < Q; h++) {
+    for (int h = 0; h < QP_BK / 32; h++) {
         if (h > 0 && (rem += 32) >= G) {
             rem -= G;
             grp++;
@@ -68,7 +61,6 @@ template <int BN, int Q> __device__ __forceinline__ PackTileQ<Q> pack_tile_q(int
     }
     return t;
 }
-__device__ __forceinline__ PackTile pack_tile(int K, int G) { return pack_tile_q<QP_BN, QP_BK / 32>(K, G); }
 
 // Row n's grids for the tile's groups (G >= 32): each group's (1/scale, zero) stored at
 // slot[(group - the tile's first) * stride] for the quantizing lanes, and the group metadata,
@@ -76,9 +68,9 @@ __device__ __forceinline__ PackTile pack_tile(int K, int G) { return pack_tile_q
 // octet of lanes (rows 8c..8c+7; N % 8 == 0, so an octet is all in or all out) ORs its zero
 // points into the AWQ word by shuffles — nothing is read again at the block's end. Every lane
 // of a warp that calls it takes part (the shuffles).
-template <int Q>
-__device__ __forceinline__ void row_grids_and_meta(const PackTileQ<Q>& t, const u32* qmeta, int n, int N, int bits,
+__device__ __forceinline__ void row_grids_and_meta(const PackTile& t, const u32* qmeta, int n, int N, int bits,
                                                    float2* slot, int stride, u16* scales, u32* qzeros) {
+    constexpr int Q = QP_BK / 32;
     GroupParams p[Q];
     if (n < N) {
         const u32* qm = qmeta + (i64)n * t.ng;
@@ -217,65 +209,96 @@ FORGE_QPACK_SQ_ENTRY(f16, FORGE_DT_F16)
 FORGE_QPACK_SQ_ENTRY(bf16, FORGE_DT_BF16)
 FORGE_QPACK_SQ_ENTRY(f32, FORGE_DT_F32)
 
-// ---- FP8: 128 rows x 128 inputs ----------------------------------------------------------------
-// The squares above for E4M3 bytes on a tile of 128 rows x 128 inputs (16 KB, as the others' 256
-// x 64), so that a row's tile bytes are one whole 128-byte line: 16-byte copies, a warp's 32
-// covering 4 rows (the 64-input tile's 8-byte copies took about twice the L1 wavefronts a byte,
-// the MIO throttle its warps stalled on most), and one grid read a row for G = 128 (the 64-input
-// tiles read each grid twice, a 32-byte sector for 4 bytes each time). Lane l of warp w
-// quantizes rows 8c..8c+7 (c = l % 16) at run q = 2w + l / 16 (inputs 8q..8q+7); a row's 16-byte
-// chunk k (runs 2k, 2k + 1) sits at chunk k ^ ((row / 8) % 8), so a warp's 8-byte reads of runs
-// 2w, 2w + 1 from 16 rows 8 apart take the 2 wavefronts 256 bytes need. Threads 0..127 decode
-// their row's grids for the tile's 1-4 groups and write the group metadata.
-#define QP8_BN 128
-#define QP8_BK 128
+// ---- FP8: 64 rows x 256 inputs ----------------------------------------------------------------
+// The squares above for E4M3 bytes on a tile of 64 rows x 256 inputs (16 KB, as the others' 256 x
+// 64): a row's tile bytes are two whole 128-byte lines, copied by 16-byte cp.async, and with
+// G = 128 a row's two grid words share one 32-byte sector, which one warp load reads for both
+// (lanes 2r, 2r + 1). The grid words were the costliest part of the 128 x 128 tile this replaced:
+// a scattered 32-byte sector a row for 4 bytes, 13 % of its L2 sectors (H200: that kernel with
+// constant grid words took 57 instead of 69 µs at 18432x7168). Lane l of warp w quantizes rows
+// 8c..8c+7 (c = l % 8) at run q = 4w + l / 8 (inputs 8q..8q+7); a row's 16-byte chunk k (runs
+// 2k, 2k + 1) sits at chunk k ^ (row / 8), so a half-warp's 8-byte reads (8 rows 8 apart, both
+// halves of a chunk) take one wavefront. The zero points go through shared memory: no shuffles, and any number of
+// groups a tile (G = 32: 8).
+#define QP8_BN 64
+#define QP8_BK 256
 extern "C" __global__ void __launch_bounds__(256, 8)
     awq_quant_pack_f8e4m3(const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K,
                           int G, int bits, const float* bs, int bcols) {
-    constexpr int Q = QP8_BK / 32;
-    extern __shared__ __align__(128) u8 tile[];     // QP8_BN * QP8_BK bytes (ops.rs pack_smem)
-    __shared__ float2 prm[Q][QP8_BN];             // (1/scale, zero) of the tile's groups, row r at (r % 8)·16 + r / 8
+    constexpr int NGT = QP8_BK / 32;                    // groups a tile at most (G >= 32)
+    extern __shared__ __align__(128) u8 tile[];          // QP8_BN * QP8_BK bytes (ops.rs pack_smem)
+    __shared__ float2 prm[NGT][QP8_BN];                  // (1/scale, zero) of group slot g, row r at (r % 8)·8 + r / 8
+    __shared__ __align__(16) u8 zsm[NGT][QP8_BN];        // zero points of the groups that start in the tile
     const int tid = threadIdx.x;
-    const PackTileQ<Q> t = pack_tile_q<QP8_BN, Q>(K, G);
-    const int n0 = t.n0, k0 = t.k0, quarters = t.quarters;
+    const int n0 = blockIdx.y * QP8_BN, k0 = blockIdx.x * QP8_BK;
+    const bool g_pow2 = (G & (G - 1)) == 0;
+    const int g_shift = __ffs(G) - 1;
+    const int ng = g_pow2 ? K >> g_shift : K / G;
+    // Whole 32-input quarters in the tile (K % 32 == 0), and the groups g0 <= g < g1 they touch.
+    const int quarters = min(QP8_BK / 32, (K - k0) / 32), kend = k0 + 32 * quarters;
+    const int g0 = g_pow2 ? k0 >> g_shift : k0 / G, g1 = g_pow2 ? (kend + G - 1) >> g_shift : (kend + G - 1) / G;
+    const int ngt = g1 - g0;
     const u32 maxq = (1u << bits) - 1u;
     const int rows = min(QP8_BN, N - n0), chunks = 2 * quarters;
     {
-        // Copy i of thread t: row t / 8 + 32 i, chunk t % 8 (16 bytes, runs 2k and 2k + 1).
-        const int r0 = tid >> 3, k = tid & 7;
+        // Copy i of thread t: row t / 16 + 16 i, chunk t % 16 (a warp: two rows' 256 bytes).
+        const int r0 = tid >> 4, k = tid & 15;
         const u32 tb = smem_u32(tile);
         const u8* src = (const u8*)w + (i64)(n0 + r0) * K + k0 + 16 * k;
         if (k < chunks) {
 #pragma unroll
-            for (int i = 0; i < QP8_BN / 32; i++) {
-                const int r = r0 + 32 * i;
-                if (r < rows) cp_async16_s(tb + 128 * r + 16 * (k ^ ((r >> 3) & 7)), src, 16);
-                src += (i64)32 * K;
+            for (int i = 0; i < QP8_BN / 16; i++) {
+                const int r = r0 + 16 * i;
+                if (r < rows) cp_async16_s(tb + QP8_BK * r + 16 * (k ^ (r >> 3)), src, 16);
+                src += (i64)16 * K;
             }
         }
     }
     cp_async_commit();
-    const int warp = tid >> 5, lane = tid & 31, c = lane & 15, q = 2 * warp + (lane >> 4);
+    const int warp = tid >> 5, lane = tid & 31, c = lane & 7, q = 4 * warp + (lane >> 3);
     const bool live = q < 4 * quarters && 8 * c < rows;
-    // This lane's block scale: the tile is one 128 x 128 block.
-    const float sc = live && bs != nullptr ? block_scale(bs, bcols, n0, k0) : 1.0f;
-    if (warp < QP8_BN / 32)
-        row_grids_and_meta(t, qmeta, n0 + tid, N, bits, &prm[0][(tid & 7) * 16 + (tid >> 3)], QP8_BN, scales, qzeros);
+    // This lane's block scale: rows n0.. (64 of one 128-row block), inputs 8q.. (one block).
+    const float sc = live && bs != nullptr ? block_scale(bs, bcols, n0, k0 + 8 * q) : 1.0f;
+    // The grids, item i = row · ngt + slot: a row's grid words side by side in one warp load.
+    // Each group's scale is written by the tile that holds its first input, its zero point
+    // kept for the AWQ words below.
+    for (int i = tid; i < QP8_BN * ngt; i += 256) {
+        const int r = ngt == 1 ? i : ngt == 2 ? i >> 1 : ngt == 4 ? i >> 2 : i / ngt;
+        const int gi = i - r * ngt, g = g0 + gi, n = n0 + r;
+        if (r < rows) {
+            const GroupParams p = qmeta_params(__ldg(qmeta + (i64)n * ng + g), bits);
+            prm[gi][(r & 7) * 8 + (r >> 3)] = make_float2(p.inv, p.zero);
+            if (g * G >= k0) {
+                scales[(i64)g * N + n] = f32_to_f16_rn(p.scale);
+                zsm[gi][r] = (u8)((u32)p.zero & 15u);
+            }
+        }
+    }
     cp_async_wait<0>();
     __syncthreads();
+    // The zero points' AWQ words of the groups that start here: thread t < 8 · ngt, octet t % 8
+    // (N % 8 == 0: an octet is all in or all out).
+    if (tid < 8 * ngt) {
+        const int o = tid & 7, gi = tid >> 3, g = g0 + gi;
+        if (g * G >= k0 && 8 * o < rows) {
+            const uint2 z = *(const uint2*)&zsm[gi][8 * o];
+            qzeros[(i64)g * (N / 8) + n0 / 8 + o] = awq_word_u64(((u64)z.y << 32) | z.x);
+        }
+    }
     if (!live) return;
-    const float2* pr = prm[t.slot(q >> 2, G)] + c;  // run q lies in quarter q / 4
-    // Run q of row 8c + j: chunk q / 2 at (q / 2) ^ (c % 8), its half q % 2.
-    const u8* tr = tile + 1024 * c + 16 * ((q >> 1) ^ (c & 7)) + 8 * (q & 1);
+    const int x = k0 + 8 * q - g0 * G;  // run q's inputs from the first group's start
+    const float2* pr = prm[g_pow2 ? x >> g_shift : x / G] + c;
+    // Run q of row 8c + j: chunk q / 2 at (q / 2) ^ c, its half q % 2.
+    const u8* tr = tile + 8 * QP8_BK * c + 16 * ((q >> 1) ^ c) + 8 * (q & 1);
     u32 words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
 #pragma unroll
     for (int m = 0; m < 4; m++) {
         float v0[8], v1[8];
-        const uint2 a = *(const uint2*)(tr + 256 * m), b = *(const uint2*)(tr + 256 * m + 128);
+        const uint2 a = *(const uint2*)(tr + 2 * QP8_BK * m), b = *(const uint2*)(tr + 2 * QP8_BK * m + QP8_BK);
         e4m3x8_to_f32(a.x, a.y, v0);
         e4m3x8_to_f32(b.x, b.y, v1);
-        const float2 g0 = pr[(2 * m) * 16], g1 = pr[(2 * m + 1) * 16];
-        const GroupParams p0{0.0f, g0.x, g0.y, 0.0f}, p1{0.0f, g1.x, g1.y, 0.0f};
+        const float2 g0p = pr[(2 * m) * 8], g1p = pr[(2 * m + 1) * 8];
+        const GroupParams p0{0.0f, g0p.x, g0p.y, 0.0f}, p1{0.0f, g1p.x, g1p.y, 0.0f};
 #pragma unroll
         for (int j = 0; j < 8; j++)
             words[j] += quant_code_u16x2(v0[j] * sc, p0, v1[j] * sc, p1, maxq) << (4 * m);  // codes <= 15: + is |

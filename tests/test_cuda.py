@@ -92,9 +92,10 @@ def test_mse_grids_on_concurrent_streams_are_independent():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "k,n,group",
-    # 480 / 96: groups that start inside the kernel's tiles (64 inputs; FP8's 128) and a part
-    # last tile; 160 / 32: two groups a tile (FP8: four) and a part last tile; 264 and 40 rows: a
-    # partial row tile (256 rows; FP8's 128)
+    # 480 / 96: groups that start inside the kernel's tiles (64 inputs; FP8's 256, three groups
+    # a tile) and a part last tile; 160 / 32: two groups a tile (FP8: five) and a part last tile;
+    # 512 / 64: FP8's four groups a tile; 264, 136 and 40 rows: a partial row tile (256 rows;
+    # FP8's 64)
     [(256, 64, 128), (512, 136, 64), (7168 // 4, 256, 128), (480, 264, 96), (160, 40, 32)],
 )
 def test_quantize_pack_bit_exact(dtype, k, n, group):

@@ -458,10 +458,11 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
 const PACK_THREADS: u32 = 256;
 
 /// The tile of a block of `awq_quant_pack_<dt>`, (rows, inputs): pack.cu `QP_BN` × `QP_BK`
-/// (256 × 64), and for FP8 `QP8_BN` × `QP8_BK` (128 × 128: a row's tile bytes one 128-byte line).
+/// (256 × 64), and for FP8 `QP8_BN` × `QP8_BK` (64 × 256: a row's tile bytes two 128-byte lines,
+/// and with G = 128 its two grid words one sector).
 pub(crate) const fn pack_tile(dt: DType) -> (usize, usize) {
     match dt {
-        DType::F8E4M3 => (128, 128),
+        DType::F8E4M3 => (64, 256),
         _ => (256, 64),
     }
 }

@@ -254,9 +254,10 @@ fn assert_quantize_pack(a: &ops::QuantizePack, want: &forge_core::pack::AwqTenso
 #[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
 fn awq_quantize_pack_bit_exact() {
     assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
-    // 96: groups starting inside the kernel's tiles (64 inputs; FP8's 128); k = 160 and 480: a
-    // half last tile (FP8: one and three of its four 32-input quarters); 520, 264 and 40 rows: a
-    // partial row tile (256 rows; FP8's 128).
+    // 96: groups starting inside the kernel's tiles (64 inputs; FP8's 256, three groups a tile);
+    // k = 160 and 480: a half last tile (FP8: five and seven of its eight 32-input quarters), and
+    // for FP8 k = 384 too (four); 32: FP8's eight groups a tile; 520, 264 and 40 rows: a partial
+    // row tile (256 rows; FP8's 64).
     for (g, sym) in [
         (128usize, false),
         (128, true),
