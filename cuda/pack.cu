@@ -227,6 +227,7 @@ extern "C" __global__ void __launch_bounds__(256, 8)
     awq_quant_pack_f8e4m3(const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K,
                           int G, int bits, const float* bs, int bcols) {
     constexpr int NGT = QP8_BK / 32;                    // groups a tile at most (G >= 32)
+    static_assert(QP8_BN == 64 && QP8_BK == 256, "the copies, lanes and metadata loops assume 64 x 256");
     extern __shared__ __align__(128) u8 tile[];          // QP8_BN * QP8_BK bytes (ops.rs pack_smem)
     __shared__ float2 prm[NGT][QP8_BN];                  // (1/scale, zero) of group slot g, row r at (r % 8)·8 + r / 8
     __shared__ __align__(16) u8 zsm[NGT][QP8_BN];        // zero points of the groups that start in the tile
@@ -247,8 +248,9 @@ extern "C" __global__ void __launch_bounds__(256, 8)
     // ahead of them and the grid is decoded while they land (requested after them, the decode
     // waited for the tile: 3-4 % slower on every shape).
     const int r_first = ngt == 1 ? tid : ngt == 2 ? tid >> 1 : ngt == 4 ? tid >> 2 : tid / ngt;
-    const u32 word_first =
-        tid < QP8_BN * ngt && r_first < rows ? __ldg(qmeta + (i64)(n0 + r_first) * ng + g0 + (tid - r_first * ngt)) : 0u;
+    const u32 word_first = tid < QP8_BN * ngt && r_first < rows
+                               ? __ldg(qmeta + (i64)(n0 + r_first) * ng + g0 + (tid - r_first * ngt))
+                               : 0u;
     {
         // Copy i of thread t: row t / 16 + 16 i, chunk t % 16 (a warp: two rows' 256 bytes).
         const int r0 = tid >> 4, k = tid & 15;
