@@ -23,12 +23,12 @@ __device__ __forceinline__ u32 zero_point_of(u32 m, int bits) {
     return ((m >> 24) & 1u) ? (1u << (bits - 1)) : ((m >> 16) & 0xFFu);
 }
 
-// Tile: 256 output rows (n) x QP_BK = 64 inputs (k), 256 threads, for the 16- and 32-bit types
-// (FP8: 64 x 256, QP8_BN x QP8_BK below); ops.rs (pack_tile) launches ceil(K/inputs) x
-// ceil(N/rows) blocks, the k-tiles of the same rows side by side, so the weight rows stream
-// contiguously, with the tile's rows·inputs·EB bytes of dynamic shared memory.
-#define QP_BN 256
-#define QP_BK 64
+// Tile: QP_BN = 256 output rows (n) x QP_BK = 64 inputs (k), PACK_THREADS = 256 threads, for the
+// 16- and 32-bit types (FP8: QP8_BN x QP8_BK = 64 x 256, below); the generated header defines
+// them from ops.rs (pack_tile), which launches ceil(K/inputs) x ceil(N/rows) blocks, the k-tiles
+// of the same rows side by side, so the weight rows stream contiguously, with the tile's
+// rows·inputs·EB bytes of dynamic shared memory.
+static_assert(QP_BN == 256 && QP_BK == 64 && PACK_THREADS == 256, "the squares: a thread a row, 8 warps of runs");
 
 // The block's 256-row x 64-input tile (the pack kernel's grid): its first row and input, the
 // groups a row, the whole 32-input quarters it holds (K and G are multiples of 32, so a group
@@ -200,7 +200,7 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
 // registers, 6 an SM, 1.13 waves): bf16 2-4 % faster (H100, kernel alone; FP8, then on these
 // tiles, 3-4 %).
 #define FORGE_QPACK_SQ_ENTRY(SUF, DT)                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 7) awq_quant_pack_##SUF(                           \
+    extern "C" __global__ void __launch_bounds__(PACK_THREADS, 7) awq_quant_pack_##SUF(                  \
         const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K, int G,     \
         int bits, const float* bs, int bcols) {                                                          \
         awq_quant_pack_sq<DT>(w, qmeta, qweight, qzeros, scales, N, K, G, bits, bs, bcols);              \
@@ -208,6 +208,11 @@ __device__ __forceinline__ void awq_quant_pack_sq(const void* w, const u32* qmet
 FORGE_QPACK_SQ_ENTRY(f16, FORGE_DT_F16)
 FORGE_QPACK_SQ_ENTRY(bf16, FORGE_DT_BF16)
 FORGE_QPACK_SQ_ENTRY(f32, FORGE_DT_F32)
+
+// Grid item i's row, items row-major with ngt a row (1, 2 and 4 by shifts).
+__device__ __forceinline__ int grid_item_row(int i, int ngt) {
+    return ngt == 1 ? i : ngt == 2 ? i >> 1 : ngt == 4 ? i >> 2 : i / ngt;
+}
 
 // ---- FP8: 64 rows x 256 inputs ----------------------------------------------------------------
 // The squares above for E4M3 bytes on a tile of 64 rows x 256 inputs (16 KB, as the others' 256 x
@@ -221,13 +226,11 @@ FORGE_QPACK_SQ_ENTRY(f32, FORGE_DT_F32)
 // halves of a chunk) take one wavefront. The group metadata goes through shared memory: no
 // shuffles, any number of groups a tile (G = 32: 8), and its stores after the barrier (with the
 // early grid word below, 18432x7168 63.6-63.9 µs against 65.2-65.5 with them before it).
-#define QP8_BN 64
-#define QP8_BK 256
-extern "C" __global__ void __launch_bounds__(256, 8)
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, 8)
     awq_quant_pack_f8e4m3(const void* w, const u32* qmeta, u32* qweight, u32* qzeros, u16* scales, int N, int K,
                           int G, int bits, const float* bs, int bcols) {
     constexpr int NGT = QP8_BK / 32;                    // groups a tile at most (G >= 32)
-    static_assert(QP8_BN == 64 && QP8_BK == 256, "the copies, lanes and metadata loops assume 64 x 256");
+    static_assert(QP8_BN == 64 && QP8_BK == 256 && PACK_THREADS == 256, "copies, lanes and loops below");
     extern __shared__ __align__(128) u8 tile[];          // QP8_BN * QP8_BK bytes (ops.rs pack_smem)
     __shared__ float2 prm[NGT][QP8_BN];                  // (1/scale, zero) of group slot g, row r at (r % 8)·8 + r / 8
     __shared__ __align__(16) u8 zsm[NGT][QP8_BN];        // zero points of the groups that start in the tile
@@ -247,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(256, 8)
     // thread t's first item's word is requested before the tile's copies, so that it comes back
     // ahead of them and the grid is decoded while they land (requested after them, the decode
     // waited for the tile: 3-4 % slower on every shape).
-    const int r_first = ngt == 1 ? tid : ngt == 2 ? tid >> 1 : ngt == 4 ? tid >> 2 : tid / ngt;
+    const int r_first = grid_item_row(tid, ngt);
     const u32 word_first = tid < QP8_BN * ngt && r_first < rows
                                ? __ldg(qmeta + (i64)(n0 + r_first) * ng + g0 + (tid - r_first * ngt))
                                : 0u;
@@ -273,8 +276,8 @@ extern "C" __global__ void __launch_bounds__(256, 8)
     // Each group's metadata is written by the tile that holds its first input, from shared
     // memory after the barrier: scales a group's rows side by side (one store a warp), zero
     // points as AWQ words.
-    for (int i = tid; i < QP8_BN * ngt; i += 256) {
-        const int r = ngt == 1 ? i : ngt == 2 ? i >> 1 : ngt == 4 ? i >> 2 : i / ngt;
+    for (int i = tid; i < QP8_BN * ngt; i += PACK_THREADS) {
+        const int r = grid_item_row(i, ngt);
         const int gi = i - r * ngt, g = g0 + gi, n = n0 + r;
         if (r < rows) {
             const GroupParams p = qmeta_params(i == tid ? word_first : __ldg(qmeta + (i64)n * ng + g), bits);
@@ -287,8 +290,8 @@ extern "C" __global__ void __launch_bounds__(256, 8)
     }
     cp_async_wait<0>();
     __syncthreads();
-    for (int i = tid; i < QP8_BN * ngt; i += 256) {
-        const int gi = i >> 6, r = i & 63, g = g0 + gi;
+    for (int i = tid; i < QP8_BN * ngt; i += PACK_THREADS) {
+        const int gi = i >> 6, r = i & 63, g = g0 + gi;  // i / QP8_BN, i % QP8_BN
         if (g * G >= k0 && r < rows) scales[(i64)g * N + n0 + r] = ssm[gi][r];
     }
     // Zero points: thread t < 8 · ngt, octet t % 8 (N % 8 == 0: an octet is all in or all out).

@@ -454,12 +454,13 @@ pub unsafe fn awq_quantize_pack(a: &QuantizePack, out: &PackedOut, s: Stream) ->
     unsafe { launch(dev, f, grid, block, pack_smem(a.dtype), s.handle, &mut p) }
 }
 
-/// Threads a block of `awq_quant_pack_<dt>`: a lane quantizes 8 rows × 8 inputs.
-const PACK_THREADS: u32 = 256;
+/// Threads a block of `awq_quant_pack_<dt>`: a lane quantizes 8 rows × 8 inputs (pack.cu
+/// `PACK_THREADS`, from the generated header).
+pub(crate) const PACK_THREADS: u32 = 256;
 
 /// The tile of a block of `awq_quant_pack_<dt>`, (rows, inputs): pack.cu `QP_BN` × `QP_BK`
 /// (256 × 64), and for FP8 `QP8_BN` × `QP8_BK` (64 × 256: a row's tile bytes two 128-byte lines,
-/// and with G = 128 its two grid words one sector).
+/// and with G = 128 its two grid words one sector); the generated header defines those four.
 pub(crate) const fn pack_tile(dt: DType) -> (usize, usize) {
     match dt {
         DType::F8E4M3 => (64, 256),
