@@ -5,8 +5,8 @@
 // converted with PTX `cvt`. The runtime prepends a generated header that defines the
 // tables FORGE_THRESH_BITS / FORGE_POW2_BITS / FORGE_E4M3_BITS (copied bit for bit from
 // forge-core; POW2 in constant memory, the others in global memory), so CPU and GPU use
-// identical constants. The arithmetic mirrors
-// docs/numerics.md and forge-core exactly; keep the two in sync.
+// identical constants. The arithmetic mirrors docs/numerics.md and forge-core exactly; keep
+// the two in sync.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
