@@ -244,6 +244,7 @@ extern "C" __global__ void __launch_bounds__(PACK_THREADS, 8)
     const int quarters = min(QP8_BK / 32, (K - k0) / 32), kend = k0 + 32 * quarters;
     const int g0 = g_pow2 ? k0 >> g_shift : k0 / G, g1 = g_pow2 ? (kend + G - 1) >> g_shift : (kend + G - 1) / G;
     const int ngt = g1 - g0;
+    auto starts_here = [&](int g) { return g * G >= k0; };  // the tile holds group g's first input
     const u32 maxq = (1u << bits) - 1u;
     const int rows = min(QP8_BN, N - n0), chunks = 2 * quarters;
     // The grids, item i = row · ngt + slot (a row's grid words side by side in one warp load):
@@ -284,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(PACK_THREADS, 8)
         if (r < rows) {
             const GroupParams p = qmeta_params(i == tid ? word_first : __ldg(qmeta + (i64)n * ng + g), bits);
             prm[gi][(r & 7) * 8 + (r >> 3)] = make_float2(p.inv, p.zero);
-            if (g * G >= k0) {
+            if (starts_here(g)) {
                 ssm[gi][r] = f32_to_f16_rn(p.scale);
                 zsm[gi][r] = (u8)((u32)p.zero & 15u);
             }
@@ -294,12 +295,12 @@ extern "C" __global__ void __launch_bounds__(PACK_THREADS, 8)
     __syncthreads();
     for (int i = tid; i < QP8_BN * ngt; i += PACK_THREADS) {
         const int gi = i >> 6, r = i & 63, g = g0 + gi;  // i / QP8_BN, i % QP8_BN
-        if (g * G >= k0 && r < rows) scales[(i64)g * N + n0 + r] = ssm[gi][r];
+        if (starts_here(g) && r < rows) scales[(i64)g * N + n0 + r] = ssm[gi][r];
     }
     // Zero points: thread t < 8 · ngt, octet t % 8 (N % 8 == 0: an octet is all in or all out).
     if (tid < 8 * ngt) {
         const int o = tid & 7, gi = tid >> 3, g = g0 + gi;
-        if (g * G >= k0 && 8 * o < rows) {
+        if (starts_here(g) && 8 * o < rows) {
             const uint2 z = *(const uint2*)&zsm[gi][8 * o];
             qzeros[(i64)g * (N / 8) + n0 / 8 + o] = awq_word_u64(((u64)z.y << 32) | z.x);
         }
