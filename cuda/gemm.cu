@@ -1173,8 +1173,8 @@ extern "C" __global__ void w4a16_tile_repack(const u32* qw, u32* out, int K, int
 
 // GEMV on the tile layout, M <= 8·NT tokens (B columns of NT 8-token tiles; lanes past M read
 // row M-1 and their outputs are dropped). Block = one 16-output tile, its 4, 8 or 16 warps on
-// contiguous runs of whole groups (G % 64 == 0), each keeping RING chunks of weights and
-// their x in flight; per group the fresh fp32 accumulators are scaled once (y += s·Σ (q − z)·x,
+// contiguous runs of whole groups (G % 64 == 0), each keeping RW chunks of weights in flight
+// and reading each chunk's x (L1 hits) as it uses it; per group the fresh fp32 accumulators are scaled once (y += s·Σ (q − z)·x,
 // with (q − z) exact in bf16/f16 and the f16 scale exact in fp32) and the warps are summed in
 // a fixed order through shared memory: one launch, no split-K workspace, deterministic. Each
 // dequantized A fragment serves all NT token tiles.
@@ -1193,9 +1193,10 @@ template <bool BF, int NT> struct TiledWarp {
     u32 mz0 = 0, mz1 = 0, zb0 = 0, zb1 = 0;
     u16 ms0 = 0, ms1 = 0;
     float s0 = 0.0f, s1 = 0.0f;
-    // Two accumulator sets: even and odd steps for one token tile (halving the MMAs'
-    // dependency chain), one a tile for two.
-    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    // One accumulator set a token tile. (Two for one tile, even and odd steps, halved the
+    // MMAs' dependency chain at 12 more registers: with x read at use, 64 registers against
+    // 76-85 and a fourth block of 8 warps an SM; README, "The tiled GEMV's registers".)
+    float acc[NT][4] = {};
     float out[NT][4] = {};
 
     __device__ __forceinline__ void load_meta() {
@@ -1241,43 +1242,36 @@ template <bool BF, int NT> struct TiledWarp {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const u32 xv[8] = {xa[nt].x, xa[nt].y, xa[nt].z, xa[nt].w, xb[nt].x, xb[nt].y, xb[nt].z, xb[nt].w};
-                mma16816<BF>(acc[NT == 1 ? (j & 1) : nt], a, xv[2 * j], xv[2 * j + 1]);
+                mma16816<BF>(acc[nt], a, xv[2 * j], xv[2 * j + 1]);
             }
         }
     }
     // Scales the finished group's sums into the output and starts the next group.
     __device__ __forceinline__ void fold() {
-        if (NT == 1) {
-            out[0][0] = fmaf(s0, acc[0][0] + acc[1][0], out[0][0]);
-            out[0][1] = fmaf(s0, acc[0][1] + acc[1][1], out[0][1]);
-            out[0][2] = fmaf(s1, acc[0][2] + acc[1][2], out[0][2]);
-            out[0][3] = fmaf(s1, acc[0][3] + acc[1][3], out[0][3]);
-        } else {
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                out[nt][0] = fmaf(s0, acc[nt][0], out[nt][0]);
-                out[nt][1] = fmaf(s0, acc[nt][1], out[nt][1]);
-                out[nt][2] = fmaf(s1, acc[nt][2], out[nt][2]);
-                out[nt][3] = fmaf(s1, acc[nt][3], out[nt][3]);
-            }
+        for (int nt = 0; nt < NT; nt++) {
+            out[nt][0] = fmaf(s0, acc[nt][0], out[nt][0]);
+            out[nt][1] = fmaf(s0, acc[nt][1], out[nt][1]);
+            out[nt][2] = fmaf(s1, acc[nt][2], out[nt][2]);
+            out[nt][3] = fmaf(s1, acc[nt][3], out[nt][3]);
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[nt][q] = 0.0f;
         }
-#pragma unroll
-        for (int q = 0; q < 4; q++) acc[0][q] = acc[1][q] = 0.0f;
         take_meta();
     }
 };
 
-// GEMV on the tile layout. Each warp keeps RW chunks of weights and RX chunks of their x
-// in flight in registers (RX divides RW; a chunk's slots are refilled right after its use).
-// The weights are loaded without L1 allocation (read once; L1 holds x, which the co-resident
+// GEMV on the tile layout. Each warp keeps RW chunks of weights in flight in registers (a
+// slot refilled right after its use) and loads a chunk's x just before using it: x is small
+// and shared by every block, so those loads hit L1, and holding them in flight as well took
+// the registers of a fourth block an SM (README, "The tiled GEMV's registers"). The weights are loaded without L1 allocation (read once; L1 holds x, which the co-resident
 // blocks share): 7168x18432 at M = 1 31.1 -> 29.1 µs, M = 16 39.2 -> 37.4 on an H100 (README,
 // "Weights past L1").
-template <bool BF, int RW, int RX, int NT>
+template <bool BF, int RW, int NT>
 __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x, const uint4* __restrict__ qt,
                                                       const u32* __restrict__ qz, const u16* __restrict__ sc,
                                                       u16* __restrict__ y, int M, int N, int K, int G) {
     static_assert(NT == 1 || NT == 2, "one or two token tiles");
-    static_assert(RX >= 1 && RW % RX == 0, "the x ring divides the weight ring");
     __shared__ float red[TILED_MAX_WARPS][16][8 * NT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int g = lane >> 2, tt = lane & 3, t = blockIdx.x;
@@ -1307,30 +1301,28 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     }
     st.load_meta();
 
-    uint4 wr[RW], xa[RX][NT], xb[RX][NT];
-    // Fill x slot s with chunk i's x.
-    auto fetch_x = [&](int s, int i) {
+    uint4 wr[RW];
+    // Chunk i with the weights w: its x loaded, then multiplied.
+    auto chunk = [&](const uint4& w, int i) {
+        uint4 xa[NT], xb[NT];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            xa[s][nt] = __ldg(xp[nt] + 8 * i);
-            xb[s][nt] = __ldg(xp[nt] + 8 * i + 1);
+            xa[nt] = __ldg(xp[nt] + 8 * i);
+            xb[nt] = __ldg(xp[nt] + 8 * i + 1);
         }
+        st.chunk(w, xa, xb);
     };
 #pragma unroll
     for (int s = 0; s < RW; s++)
         if (s < n) wr[s] = ld_stream(wp + 32 * s);
-#pragma unroll
-    for (int s = 0; s < RX; s++)
-        if (s < n) fetch_x(s, s);
     st.take_meta();
     int in_grp = 0, c = 0;
     // Full rounds whose refills are all in range: no per-chunk bounds checks.
     for (; c + 2 * RW <= n; c += RW) {
 #pragma unroll
         for (int s = 0; s < RW; s++) {
-            st.chunk(wr[s], xa[s % RX], xb[s % RX]);
+            chunk(wr[s], c + s);
             wr[s] = ld_stream(wp + 32 * (c + RW + s));
-            fetch_x(s % RX, c + RX + s);
             if (++in_grp == gch) {  // warp-uniform
                 in_grp = 0;
                 st.fold();
@@ -1342,9 +1334,8 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 #pragma unroll
         for (int s = 0; s < RW; s++) {
             if (c + s < n) {  // warp-uniform: the MMAs run convergently
-                st.chunk(wr[s], xa[s % RX], xb[s % RX]);
+                chunk(wr[s], c + s);
                 if (c + RW + s < n) wr[s] = ld_stream(wp + 32 * (c + RW + s));
-                if (c + RX + s < n) fetch_x(s % RX, c + RX + s);
                 if (++in_grp == gch) {
                     in_grp = 0;
                     st.fold();
@@ -1372,23 +1363,25 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     }
 }
 
-// M <= 8 (w4a16_gemv_tiled_*): 2 chunks of weights and x in flight a warp (80 registers, 25
-// warps an SM; 4 chunks took 118): with the warps a block fitted to whole waves (ops.rs
-// tiled_warps), 7168x18432 at M = 1 32.3 against 34.3 µs and 2048x7168 cold 6.6 against 6.9
-// on an H100, 2048x7168 warm (L2-resident) 5.5 against 5.0 (README). 8 < M <= 16
-// (w4a16_gemv_tiled16_*): two token tiles share each A fragment, 3 chunks of each in flight
-// (118 registers; 2: 100 registers, 53 against 45.5 µs on 7168x18432 at M = 16 on an H100).
+// M <= 8 (w4a16_gemv_tiled_*): 2 chunks of weights in flight a warp, each chunk's x read at
+// use (64 registers: 4 blocks of 8 warps an SM; with 2 chunks of x in flight too, 78 and 3),
+// with the warps a block fitted to whole waves (ops.rs tiled_warps). 8 < M <= 16
+// (w4a16_gemv_tiled16_*): two token tiles share each A fragment, 2 chunks of weights in flight
+// (83 registers; with 3 chunks of weights and x in flight, 118). H200, M = 1 / 16: 7168x18432
+// 27.3 -> 26.9 / 37.2 -> 34.1 µs, the expert shapes -1 to +3 / 8-9 % faster (README, "The
+// tiled GEMV's registers"). Not measured on an H100, where 2 chunks of x and weights at M = 16
+// (100 registers) were slower than 3 (53 against 45.5 µs on 7168x18432).
 // Launched plainly: programmatic launch with L2 prefetches of the weights before the wait was
 // faster back to back (cold 6.9 -> 5.3 µs) but slower after a foreign kernel, and whole-model
 // decode 1 % slower (README, "Programmatic launch").
 #define FORGE_GEMV_TILED_ENTRY(SUF, BF)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * TILED_MAX_WARPS) w4a16_gemv_tiled_##SUF(                  \
         const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) {       \
-        w4a16_gemv_tiled_impl<BF, 2, 2, 1>(x, qt, qz, sc, y, M, N, K, G);                                       \
+        w4a16_gemv_tiled_impl<BF, 2, 1>(x, qt, qz, sc, y, M, N, K, G);                                       \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * TILED_MAX_WARPS) w4a16_gemv_tiled16_##SUF(                \
         const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) {       \
-        w4a16_gemv_tiled_impl<BF, 3, 3, 2>(x, qt, qz, sc, y, M, N, K, G);                                       \
+        w4a16_gemv_tiled_impl<BF, 2, 2>(x, qt, qz, sc, y, M, N, K, G);                                       \
     }
 FORGE_GEMV_TILED_ENTRY(f16, false)
 FORGE_GEMV_TILED_ENTRY(bf16, true)
