@@ -1194,8 +1194,8 @@ template <bool BF, int NT> struct TiledWarp {
     u16 ms0 = 0, ms1 = 0;
     float s0 = 0.0f, s1 = 0.0f;
     // One accumulator set a token tile. (Two for one tile, even and odd steps, halved the
-    // MMAs' dependency chain at 12 more registers: with x read at use, 64 registers against
-    // 76-85 and a fourth block of 8 warps an SM; README, "The tiled GEMV's registers".)
+    // MMAs' dependency chain but took 85 registers against 64 with x read at use, and with
+    // them the fourth block of 8 warps an SM; README, "The tiled GEMV's registers".)
     float acc[NT][4] = {};
     float out[NT][4] = {};
 
