@@ -1174,10 +1174,10 @@ extern "C" __global__ void w4a16_tile_repack(const u32* qw, u32* out, int K, int
 // GEMV on the tile layout, M <= 8·NT tokens (B columns of NT 8-token tiles; lanes past M read
 // row M-1 and their outputs are dropped). Block = one 16-output tile, its 4, 8 or 16 warps on
 // contiguous runs of whole groups (G % 64 == 0), each keeping RW chunks of weights in flight
-// and reading each chunk's x (L1 hits) as it uses it; per group the fresh fp32 accumulators are scaled once (y += s·Σ (q − z)·x,
-// with (q − z) exact in bf16/f16 and the f16 scale exact in fp32) and the warps are summed in
-// a fixed order through shared memory: one launch, no split-K workspace, deterministic. Each
-// dequantized A fragment serves all NT token tiles.
+// and reading each chunk's x (L1 hits) as it uses it; per group the fresh fp32 accumulators
+// are scaled once (y += s·Σ (q − z)·x, with (q − z) exact in bf16/f16 and the f16 scale exact
+// in fp32) and the warps are summed in a fixed order through shared memory: one launch, no
+// split-K workspace, deterministic. Each dequantized A fragment serves all NT token tiles.
 // TILED_MAX_WARPS (the most warps a block) comes from the generated header: ops.rs sizes the
 // launches by the same constant.
 
@@ -1264,8 +1264,9 @@ template <bool BF, int NT> struct TiledWarp {
 // GEMV on the tile layout. Each warp keeps RW chunks of weights in flight in registers (a
 // slot refilled right after its use) and loads a chunk's x just before using it: x is small
 // and shared by every block, so those loads hit L1, and holding them in flight as well took
-// the registers of a fourth block an SM (README, "The tiled GEMV's registers"). The weights are loaded without L1 allocation (read once; L1 holds x, which the co-resident
-// blocks share): 7168x18432 at M = 1 31.1 -> 29.1 µs, M = 16 39.2 -> 37.4 on an H100 (README,
+// the registers of a fourth block an SM (README, "The tiled GEMV's registers"). The weights
+// are loaded without L1 allocation (read once; L1 holds x, which the co-resident blocks
+// share): 7168x18432 at M = 1 31.1 -> 29.1 µs, M = 16 39.2 -> 37.4 on an H100 (README,
 // "Weights past L1").
 template <bool BF, int RW, int NT>
 __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x, const uint4* __restrict__ qt,
@@ -1303,7 +1304,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 
     uint4 wr[RW];
     // Chunk i with the weights w: its x loaded, then multiplied.
-    auto chunk = [&](const uint4& w, int i) {
+    auto multiply_chunk = [&](const uint4& w, int i) {
         uint4 xa[NT], xb[NT];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
@@ -1321,7 +1322,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     for (; c + 2 * RW <= n; c += RW) {
 #pragma unroll
         for (int s = 0; s < RW; s++) {
-            chunk(wr[s], c + s);
+            multiply_chunk(wr[s], c + s);
             wr[s] = ld_stream(wp + 32 * (c + RW + s));
             if (++in_grp == gch) {  // warp-uniform
                 in_grp = 0;
@@ -1334,7 +1335,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 #pragma unroll
         for (int s = 0; s < RW; s++) {
             if (c + s < n) {  // warp-uniform: the MMAs run convergently
-                chunk(wr[s], c + s);
+                multiply_chunk(wr[s], c + s);
                 if (c + RW + s < n) wr[s] = ld_stream(wp + 32 * (c + RW + s));
                 if (++in_grp == gch) {
                     in_grp = 0;
