@@ -1268,27 +1268,23 @@ template <bool BF, int NT> struct TiledWarp {
 // are loaded without L1 allocation (read once; L1 holds x, which the co-resident blocks
 // share): 7168x18432 at M = 1 31.1 -> 29.1 µs, M = 16 39.2 -> 37.4 on an H100 (README,
 // "Weights past L1").
-// The warps' outputs for the tiled GEMV's final sum, [warps][16 rows][8·NT tokens] fp32: static
-// for RED_WARPS warps, or (RED_WARPS = 0) dynamic, sized by ops.rs to the launch's warps. The
-// M <= 8 kernel takes the dynamic one: on an H200 its plan ran 1-9 % faster on eleven DeepSeek-V3
-// shapes than with a static array for its 32 warps, the M = 16 kernel 1-10 % slower (README,
-// "Up to 32 warps a tile").
-template <int NT, int RED_WARPS> __device__ __forceinline__ float* tiled_red() {
-    if constexpr (RED_WARPS > 0) {
-        __shared__ float red[RED_WARPS * 16 * 8 * NT];
-        return red;
-    } else {
-        extern __shared__ float red_dyn[];
-        return red_dyn;
-    }
-}
-
 template <bool BF, int RW, int NT, int RED_WARPS>
 __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x, const uint4* __restrict__ qt,
                                                       const u32* __restrict__ qz, const u16* __restrict__ sc,
                                                       u16* __restrict__ y, int M, int N, int K, int G) {
     static_assert(NT == 1 || NT == 2, "one or two token tiles");
-    float* red = tiled_red<NT, RED_WARPS>();
+    // The warps' outputs for the final sum, [warps][16 rows][8·NT tokens] fp32: a static array
+    // for RED_WARPS warps, or (RED_WARPS = 0) dynamic shared memory sized by ops.rs to the
+    // launch's warps. The M <= 8 kernel takes the dynamic one (on an H200 1-12 % faster on ten
+    // DeepSeek-V3 shapes than a static one for its 32 warps); the M > 8 kernel keeps its static
+    // one (as a pointer into it, it ran 7168x18432 at M = 16 in 37.2 against 34.0 µs, with its
+    // main loop's SASS unchanged; README, "Up to 32 warps a tile").
+    __shared__ float red_static[RED_WARPS > 0 ? RED_WARPS : 1][16][8 * NT];
+    extern __shared__ float red_dyn[];
+    auto red = [&](int w, int row, int col) -> float& {
+        if constexpr (RED_WARPS > 0) return red_static[w][row][col];
+        else return red_dyn[(w * 16 + row) * (8 * NT) + col];
+    };
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int g = lane >> 2, tt = lane & 3, t = blockIdx.x;
     const int groups = K / G, gch = G >> 6;
@@ -1363,19 +1359,17 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     // The warps' outputs summed in warp order through shared memory; rows < M written.
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
-        float* r0 = red + (warp * 16 + g) * (8 * NT) + 8 * nt + 2 * tt;  // row g
-        float* r8 = r0 + 8 * (8 * NT);                                    // row g + 8
-        r0[0] = st.out[nt][0];
-        r0[1] = st.out[nt][1];
-        r8[0] = st.out[nt][2];
-        r8[1] = st.out[nt][3];
+        red(warp, g, 8 * nt + 2 * tt) = st.out[nt][0];
+        red(warp, g, 8 * nt + 2 * tt + 1) = st.out[nt][1];
+        red(warp, g + 8, 8 * nt + 2 * tt) = st.out[nt][2];
+        red(warp, g + 8, 8 * nt + 2 * tt + 1) = st.out[nt][3];
     }
     __syncthreads();
     for (int i = threadIdx.x; i < 16 * 8 * NT; i += blockDim.x) {
         const int row = i / (8 * NT), col = i % (8 * NT);
         if (col < M) {
             float v = 0.0f;
-            for (int w = 0; w < nwarps; w++) v += red[(w * 16 + row) * (8 * NT) + col];
+            for (int w = 0; w < nwarps; w++) v += red(w, row, col);
             y[(i64)col * N + 16 * t + row] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
         }
     }

@@ -615,8 +615,9 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 /// off: the GEMVs to M = 16, the mma.sync kernel above), `FORGE_GEMM_WG_SPLITS=1..8` (its K
 /// splits), `FORGE_GEMM_WG_CLUSTER=0|1` (its splits summed through a split-K workspace and
 /// a second kernel, or in a thread block cluster whenever the device can launch one),
-/// `FORGE_GEMM_WG_TOKENS=16|32|64|128` (its tokens a block) and `FORGE_TILED_WARPS=4..16` (the
-/// tiled GEMV's warps a block).
+/// `FORGE_GEMM_WG_TOKENS=16|32|64|128` (its tokens a block), `FORGE_TILED_WARPS=4..32` (the
+/// tiled GEMV's warps a block; the M > 8 kernel takes at most 16) and
+/// `FORGE_TILED_CARVEOUT=0..100` (the tiled GEMVs' preferred shared-memory carveout, percent).
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
@@ -627,6 +628,7 @@ struct Knobs {
     gemm_wg_cluster: Option<usize>,
     gemm_wg_tokens: Option<usize>,
     tiled_warps: Option<usize>,
+    tiled_carveout: Option<usize>,
 }
 
 fn knobs() -> Knobs {
@@ -649,6 +651,7 @@ fn knobs() -> Knobs {
                 "FORGE_TILED_WARPS",
                 &(4..=TILED_MAX_WARPS).collect::<Vec<_>>(),
             ),
+            tiled_carveout: read("FORGE_TILED_CARVEOUT", &(0..=100).collect::<Vec<_>>()),
         }
     })
 }
@@ -1552,7 +1555,7 @@ const TILED_WAVE_GROUPS: usize = 4;
 
 /// The tiled GEMV's dynamic shared memory: the M <= 8 kernel's (`token_tiles` 1) warps'
 /// outputs for the block's final sum, 16 rows × 8 tokens of fp32 a warp; the M > 8 kernel's
-/// are static (gemm.cu, `tiled_red`).
+/// are static (gemm.cu, `w4a16_gemv_tiled_impl`).
 fn tiled_red_bytes(token_tiles: usize, warps: usize) -> usize {
     if token_tiles == 1 {
         warps * 16 * 8 * 4
@@ -1575,6 +1578,9 @@ fn tiled_plan(
     static PLANS: PlanCache<(usize, &'static str, usize, usize, usize), usize> = OnceLock::new();
     let (warps, f, _) = cached_plan(&PLANS, (dev.ordinal, name, n, k, group_size), || {
         let f = dev.function(name)?;
+        if let Some(pct) = knobs().tiled_carveout {
+            dev.set_carveout(f, pct)?;
+        }
         let sms = dev.sm_count.max(1) as usize;
         let max_warps = if token_tiles == 2 {
             TILED16_MAX_WARPS
