@@ -210,20 +210,6 @@ impl Device {
         Ok(f)
     }
 
-    /// Sets `f`'s preferred shared-memory carveout (percent of the SM's maximum; a hint).
-    pub(crate) fn set_carveout(&self, f: Func, pct: usize) -> Result<()> {
-        self.bind()?;
-        // SAFETY: f is a loaded kernel of this context.
-        unsafe {
-            dr::function::set_function_attribute(
-                f.0,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                pct as i32,
-            )
-        }
-        .drv("cuFuncSetAttribute")
-    }
-
     /// Resident blocks per SM of `f` for a block size and dynamic shared memory (1 when the
     /// driver cannot say).
     pub(crate) fn occupancy(&self, f: Func, block: u32, smem: usize) -> usize {
