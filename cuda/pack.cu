@@ -34,8 +34,16 @@ static_assert(QP_BN == 256 && QP_BK == 64 && PACK_THREADS == 256, "the squares: 
 // groups a row, the whole 32-input quarters it holds (K and G are multiples of 32, so a group
 // can only start at a quarter), and each quarter's group and whether a group starts there, from
 // one division (G >= 32: the next quarter is at most one group further; a division or remainder
-// by the runtime G per quarter cost ~20 instructions each). A power-of-two G (32, 64, 128)
-// divides by a shift.
+// by the runtime G per quarter cost ~20 instructions each).
+// k / G for the runtime group size G: a shift when G is a power of two (32, 64, 128), else a
+// division.
+struct GroupDiv {
+    int G, shift;
+    bool pow2;
+    __device__ __forceinline__ explicit GroupDiv(int g) : G(g), shift(__ffs(g) - 1), pow2((g & (g - 1)) == 0) {}
+    __device__ __forceinline__ int operator()(int k) const { return pow2 ? k >> shift : k / G; }
+};
+
 struct PackTile {
     int n0, k0, ng, quarters;
     int grp[QP_BK / 32];
@@ -45,11 +53,10 @@ __device__ __forceinline__ PackTile pack_tile(int K, int G) {
     PackTile t;
     t.n0 = blockIdx.y * QP_BN;
     t.k0 = blockIdx.x * QP_BK;
-    const bool g_pow2 = (G & (G - 1)) == 0;
-    const int g_shift = __ffs(G) - 1;
-    t.ng = g_pow2 ? K >> g_shift : K / G;
+    const GroupDiv group_of(G);
+    t.ng = group_of(K);
     t.quarters = min(QP_BK / 32, (K - t.k0) / 32);
-    int grp = g_pow2 ? t.k0 >> g_shift : t.k0 / G, rem = t.k0 - grp * G;
+    int grp = group_of(t.k0), rem = t.k0 - grp * G;
 #pragma unroll
     for (int h = 0; h < QP_BK / 32; h++) {
         if (h > 0 && (rem += 32) >= G) {
@@ -237,12 +244,11 @@ extern "C" __global__ void __launch_bounds__(PACK_THREADS, 8)
     __shared__ u16 ssm[NGT][QP8_BN];                     // their f16 scales
     const int tid = threadIdx.x;
     const int n0 = blockIdx.y * QP8_BN, k0 = blockIdx.x * QP8_BK;
-    const bool g_pow2 = (G & (G - 1)) == 0;
-    const int g_shift = __ffs(G) - 1;
-    const int ng = g_pow2 ? K >> g_shift : K / G;
+    const GroupDiv group_of(G);
+    const int ng = group_of(K);
     // Whole 32-input quarters in the tile (K % 32 == 0), and the groups g0 <= g < g1 they touch.
     const int quarters = min(QP8_BK / 32, (K - k0) / 32), kend = k0 + 32 * quarters;
-    const int g0 = g_pow2 ? k0 >> g_shift : k0 / G, g1 = g_pow2 ? (kend + G - 1) >> g_shift : (kend + G - 1) / G;
+    const int g0 = group_of(k0), g1 = group_of(kend + G - 1);
     const int ngt = g1 - g0;
     auto starts_here = [&](int g) { return g * G >= k0; };  // the tile holds group g's first input
     const u32 maxq = (1u << bits) - 1u;
@@ -307,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(PACK_THREADS, 8)
     }
     if (!live) return;
     const int x = k0 + 8 * q - g0 * G;  // run q's inputs from the first group's start
-    const float2* pr = prm[g_pow2 ? x >> g_shift : x / G] + c;
+    const float2* pr = prm[group_of(x)] + c;
     // Run q of row 8c + j: chunk q / 2 at (q / 2) ^ c, its half q % 2.
     const u8* tr = tile + 8 * QP8_BK * c + 16 * ((q >> 1) ^ c) + 8 * (q & 1);
     u32 words[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
