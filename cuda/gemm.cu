@@ -1172,14 +1172,14 @@ extern "C" __global__ void w4a16_tile_repack(const u32* qw, u32* out, int K, int
 }
 
 // GEMV on the tile layout, M <= 8·NT tokens (B columns of NT 8-token tiles; lanes past M read
-// row M-1 and their outputs are dropped). Block = one 16-output tile, its 4, 8 or 16 warps on
+// row M-1 and their outputs are dropped). Block = one 16-output tile, its 4 to 32 warps on
 // contiguous runs of whole groups (G % 64 == 0), each keeping RW chunks of weights in flight
 // and reading each chunk's x (L1 hits) as it uses it; per group the fresh fp32 accumulators
 // are scaled once (y += s·Σ (q − z)·x, with (q − z) exact in bf16/f16 and the f16 scale exact
 // in fp32) and the warps are summed in a fixed order through shared memory: one launch, no
 // split-K workspace, deterministic. Each dequantized A fragment serves all NT token tiles.
-// TILED_MAX_WARPS (the most warps a block) comes from the generated header: ops.rs sizes the
-// launches by the same constant.
+// TILED_MAX_WARPS and TILED16_MAX_WARPS (the most warps a block of each entry) come from the
+// generated header: ops.rs sizes the launches by the same constants.
 
 // Per-warp state of the tiled GEMV: lane (g, tt) owns outputs 16t + g and 16t + g + 8 of
 // tile t (A rows) and token columns 8nt + 2tt, 8nt + 2tt + 1 of the accumulators; the group's
@@ -1273,7 +1273,16 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
                                                       const u32* __restrict__ qz, const u16* __restrict__ sc,
                                                       u16* __restrict__ y, int M, int N, int K, int G) {
     static_assert(NT == 1 || NT == 2, "one or two token tiles");
-    __shared__ float red[TILED_MAX_WARPS][16][8 * NT];
+    // The warps' outputs for the final sum, [warps][16 rows][8·NT tokens] fp32: the M > 8
+    // kernel's (NT = 2) a static array for its 16 warps, the M <= 8 kernel's dynamic shared
+    // memory sized by ops.rs to the launch's up to 32 (on an H200 1-12 % faster on ten
+    // DeepSeek-V3 shapes than a static array for 32). Each kernel's sum below is written in the
+    // one form found to keep its registers: NVRTC 13.0 gave the M > 8 kernel 83 registers, not
+    // 82, whenever its array was reached through a pointer or an accessor, and then ran
+    // 7168x18432 at M = 16 in 37.2 against 34.0 µs; the M <= 8 kernel's flat indexing runs it
+    // 1-3 % faster than 3-D (README, "Up to 32 warps a tile").
+    __shared__ float red16[NT == 2 ? TILED16_MAX_WARPS : 1][16][8 * NT];
+    extern __shared__ float red_dyn[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int g = lane >> 2, tt = lane & 3, t = blockIdx.x;
     const int groups = K / G, gch = G >> 6;
@@ -1346,29 +1355,46 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     }
 
     // The warps' outputs summed in warp order through shared memory; rows < M written.
+    if constexpr (NT == 2) {
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        red[warp][g][8 * nt + 2 * tt] = st.out[nt][0];
-        red[warp][g][8 * nt + 2 * tt + 1] = st.out[nt][1];
-        red[warp][g + 8][8 * nt + 2 * tt] = st.out[nt][2];
-        red[warp][g + 8][8 * nt + 2 * tt + 1] = st.out[nt][3];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 16 * 8 * NT; i += blockDim.x) {
-        const int row = i / (8 * NT), col = i % (8 * NT);
-        if (col < M) {
-            float v = 0.0f;
-            for (int w = 0; w < nwarps; w++) v += red[w][row][col];
-            y[(i64)col * N + 16 * t + row] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+        for (int nt = 0; nt < NT; nt++) {
+            red16[warp][g][8 * nt + 2 * tt] = st.out[nt][0];
+            red16[warp][g][8 * nt + 2 * tt + 1] = st.out[nt][1];
+            red16[warp][g + 8][8 * nt + 2 * tt] = st.out[nt][2];
+            red16[warp][g + 8][8 * nt + 2 * tt + 1] = st.out[nt][3];
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < 16 * 8 * NT; i += blockDim.x) {
+            const int row = i / (8 * NT), col = i % (8 * NT);
+            if (col < M) {
+                float v = 0.0f;
+                for (int w = 0; w < nwarps; w++) v += red16[w][row][col];
+                y[(i64)col * N + 16 * t + row] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+            }
+        }
+    } else {
+        red_dyn[(warp * 16 + g) * 8 + 2 * tt] = st.out[0][0];
+        red_dyn[(warp * 16 + g) * 8 + 2 * tt + 1] = st.out[0][1];
+        red_dyn[(warp * 16 + g + 8) * 8 + 2 * tt] = st.out[0][2];
+        red_dyn[(warp * 16 + g + 8) * 8 + 2 * tt + 1] = st.out[0][3];
+        __syncthreads();
+        for (int i = threadIdx.x; i < 16 * 8; i += blockDim.x) {
+            const int row = i / 8, col = i % 8;
+            if (col < M) {
+                float v = 0.0f;
+                for (int w = 0; w < nwarps; w++) v += red_dyn[(w * 16 + row) * 8 + col];
+                y[(i64)col * N + 16 * t + row] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+            }
         }
     }
 }
 
 // M <= 8 (w4a16_gemv_tiled_*): 2 chunks of weights in flight a warp, each chunk's x read at
 // use (64 registers: 4 blocks of 8 warps an SM; with 2 chunks of x in flight too, 78 and 3),
-// with the warps a block fitted to whole waves (ops.rs tiled_warps). 8 < M <= 16
+// with the warps a block fitted to the tiles and SMs (ops.rs tiled_warps), up to 32: fewer
+// tiles than SMs (7168x2048) then spread a tile's groups over a whole SM's warps. 8 < M <= 16
 // (w4a16_gemv_tiled16_*): two token tiles share each A fragment, 2 chunks of weights in flight
-// (83 registers; with 3 chunks of weights and x in flight, 118). H200, M = 1 / 16: 7168x18432
+// (82 registers from NVRTC 13.0; with 3 chunks of weights and x in flight, 118). H200, M = 1 / 16: 7168x18432
 // 27.3 -> 26.9 / 37.2 -> 34.1 µs, the expert shapes -1 to +3 / 8-9 % faster (README, "The
 // tiled GEMV's registers"). Not measured on an H100, where 2 chunks of x and weights at M = 16
 // (100 registers) were slower than 3 (53 against 45.5 µs on 7168x18432).
@@ -1380,7 +1406,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
         const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) {       \
         w4a16_gemv_tiled_impl<BF, 2, 1>(x, qt, qz, sc, y, M, N, K, G);                                       \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * TILED_MAX_WARPS) w4a16_gemv_tiled16_##SUF(                \
+    extern "C" __global__ void __launch_bounds__(32 * TILED16_MAX_WARPS) w4a16_gemv_tiled16_##SUF(              \
         const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) {       \
         w4a16_gemv_tiled_impl<BF, 2, 2>(x, qt, qz, sc, y, M, N, K, G);                                       \
     }

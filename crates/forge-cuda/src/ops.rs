@@ -615,8 +615,8 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 /// off: the GEMVs to M = 16, the mma.sync kernel above), `FORGE_GEMM_WG_SPLITS=1..8` (its K
 /// splits), `FORGE_GEMM_WG_CLUSTER=0|1` (its splits summed through a split-K workspace and
 /// a second kernel, or in a thread block cluster whenever the device can launch one),
-/// `FORGE_GEMM_WG_TOKENS=16|32|64|128` (its tokens a block) and `FORGE_TILED_WARPS=4..16` (the
-/// tiled GEMV's warps a block).
+/// `FORGE_GEMM_WG_TOKENS=16|32|64|128` (its tokens a block) and `FORGE_TILED_WARPS=4..32` (the
+/// tiled GEMV's warps a block; the M > 8 kernel takes at most 16).
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
@@ -1510,13 +1510,14 @@ impl TiledGemv {
     }
 }
 
-/// Warps per block of the tiled GEMV ([`TILED_MAX_WARPS`] is the most, and no more than
+/// Warps per block of the tiled GEMV (at most `max_warps`, the kernel's, and no more than
 /// `groups`: a warp takes whole groups), for `tiles` blocks of `groups` K-groups each on `sms`
 /// SMs, `blocks_per_sm(w)` of `w` warps resident at once. A block's warps take
 /// `ceil(groups / w)` groups each (the busiest warp sets the block's time) and the blocks run
 /// in `ceil(tiles / (sms · blocks_per_sm(w)))` waves, each wave paying its ramp (first loads,
 /// the block's final reduction) besides its groups: the fewest
-/// `waves · (TILED_WAVE_GROUPS + ceil(groups / w))` wins, ties to more warps.
+/// `waves · (TILED_WAVE_GROUPS + ceil(groups / w))` wins, ties to more warps, and then the
+/// fewest warps that give each the same groups (no warp without groups: no more waves).
 /// A whole last wave matters: on an H100, 7168×18432 (1152 tiles of 56 groups) at 4 warps a
 /// block made 2.2 waves of 528 blocks, and 5 warps (3 waves of 396) ran M = 1 in 34.7
 /// against 37.3 µs and M = 16 in 40.3 against 46.3 (README, "Tiled GEMV warps a block").
@@ -1524,31 +1525,49 @@ fn tiled_warps(
     sms: usize,
     tiles: usize,
     groups: usize,
+    max_warps: usize,
     blocks_per_sm: impl Fn(usize) -> usize,
 ) -> usize {
     let cost = |w: usize| {
         let slots = sms * blocks_per_sm(w).max(1);
         tiles.div_ceil(slots) * (TILED_WAVE_GROUPS + groups.div_ceil(w))
     };
-    (4..=groups.clamp(4, TILED_MAX_WARPS))
+    let w = (4..=groups.clamp(4, max_warps))
         .rev()
         .min_by_key(|&w| cost(w))
-        .unwrap_or(4)
+        .unwrap_or(4);
+    groups.div_ceil(groups.div_ceil(w)).max(4)
 }
 
-/// The most warps a tiled-GEMV block has: its `__launch_bounds__` and the size of its
-/// reduction in shared memory, emitted into the kernels' generated header.
-pub(crate) const TILED_MAX_WARPS: usize = 16;
+/// The most warps a block of the M <= 8 tiled GEMV has: its `__launch_bounds__` and the size
+/// of its reduction in shared memory, emitted into the kernels' generated header. Its 64
+/// registers allow 1024 threads.
+pub(crate) const TILED_MAX_WARPS: usize = 32;
+/// The same for the M > 8 kernel (82 registers).
+pub(crate) const TILED16_MAX_WARPS: usize = 16;
 /// A wave's fixed cost in the time of one group a warp, from H100 timings of the three bench
 /// shapes at warp counts 4, 5, 6, 7, 8, 12 and 16: any value from 1 to 8 picks each shape's
 /// fastest count.
 const TILED_WAVE_GROUPS: usize = 4;
 
+/// The tiled GEMV's dynamic shared memory: the M <= 8 kernel's (`token_tiles` 1) warps'
+/// outputs for the block's final sum, 16 rows × 8 tokens of fp32 a warp; the M > 8 kernel's
+/// are static (gemm.cu, `w4a16_gemv_tiled_impl`).
+fn tiled_red_bytes(token_tiles: usize, warps: usize) -> usize {
+    if token_tiles == 1 {
+        warps * 16 * 8 * 4
+    } else {
+        0
+    }
+}
+
 /// The tiled GEMV's kernel and warps a block for a shape (`FORGE_TILED_WARPS`, a tuning aid,
-/// forces the count; see [`Knobs`]), cached per (device, kernel, N, K, G).
+/// forces the count; see [`Knobs`]), cached per (device, kernel, N, K, G). `token_tiles`: 1 for
+/// the M <= 8 kernel, 2 for the M > 8 one.
 fn tiled_plan(
     dev: &Device,
     name: &'static str,
+    token_tiles: usize,
     n: usize,
     k: usize,
     group_size: usize,
@@ -1557,10 +1576,15 @@ fn tiled_plan(
     let (warps, f, _) = cached_plan(&PLANS, (dev.ordinal, name, n, k, group_size), || {
         let f = dev.function(name)?;
         let sms = dev.sm_count.max(1) as usize;
+        let max_warps = if token_tiles == 2 {
+            TILED16_MAX_WARPS
+        } else {
+            TILED_MAX_WARPS
+        };
         let warps = match knobs().tiled_warps {
-            Some(w) => w,
-            None => tiled_warps(sms, n / TILE_N, k / group_size, |w| {
-                dev.occupancy(f, (32 * w) as u32, 0)
+            Some(w) => w.min(max_warps),
+            None => tiled_warps(sms, n / TILE_N, k / group_size, max_warps, |w| {
+                dev.occupancy(f, (32 * w) as u32, tiled_red_bytes(token_tiles, w))
             }),
         };
         Ok((warps, f, None))
@@ -1584,7 +1608,8 @@ pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
         (true, true) => "w4a16_gemv_tiled16_f16",
         (false, true) => "w4a16_gemv_tiled16_bf16",
     };
-    let (warps, f) = tiled_plan(dev, name, a.n, a.k, a.group_size)?;
+    let token_tiles = if a.m > 8 { 2 } else { 1 };
+    let (warps, f) = tiled_plan(dev, name, token_tiles, a.n, a.k, a.group_size)?;
     let (mut px, mut pq, mut pz, mut ps, mut py) = (a.x, a.qweight_tiled, a.qzeros, a.scales, a.y);
     let (mut mm, mut nn, mut kk, mut g) = (
         a.m as i32,
@@ -1601,7 +1626,7 @@ pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
             f,
             grid,
             ((32 * warps) as u32, 1, 1),
-            0,
+            tiled_red_bytes(token_tiles, warps) as u32,
             s.handle,
             &mut p,
         )
@@ -2445,12 +2470,15 @@ mod tests {
     #[test]
     fn tiled_warps_fill_whole_waves() {
         // An H100 (132 SMs) and the tiled kernels' 118 registers: 17 warps an SM.
-        let pick = |tiles: usize, groups: usize| tiled_warps(132, tiles, groups, |w| 17 / w);
+        let pick = |tiles: usize, groups: usize| tiled_warps(132, tiles, groups, 16, |w| 17 / w);
         // 7168x18432 (1152 tiles of 56 groups of 128): 5 warps, 3 waves of 396 blocks, not 4
         // warps' 2.2 waves of 528 (measured 34.7 against 37.3 µs at M = 1).
         assert_eq!(pick(1152, 56), 5);
-        // 7168x2048: 128 tiles, one wave at any count: the most warps.
-        assert_eq!(pick(128, 56), 16);
+        // 7168x2048: 128 tiles, one wave at any count: the most warps (4 groups each: 14).
+        assert_eq!(pick(128, 56), 14);
+        // The M <= 8 kernel takes up to 32 (64 registers, 32 warps an SM): 2 groups each.
+        assert_eq!(tiled_warps(132, 128, 56, 32, |w| 32 / w), 28);
+        assert_eq!(tiled_warps(132, 128, 64, 32, |w| 32 / w), 32);
         // 2048x7168 (448 tiles of 16 groups) and 16384x7168 (448 of 128): one wave of 4-warp blocks.
         assert_eq!(pick(448, 16), 4);
         assert_eq!(pick(448, 128), 4);
@@ -2462,10 +2490,10 @@ mod tests {
         assert_eq!(pick(8, 6), 6);
         // The 80-register M <= 8 kernel (25 warps an SM): 2048x7168 in one wave of 6-warp
         // blocks (4 an SM, 3 groups a warp) rather than 4-warp ones (6 an SM, 4 groups a warp).
-        assert_eq!(tiled_warps(132, 448, 16, |w| 25 / w), 6);
-        assert_eq!(tiled_warps(132, 1152, 56, |w| 25 / w), 5);
+        assert_eq!(tiled_warps(132, 448, 16, 16, |w| 25 / w), 6);
+        assert_eq!(tiled_warps(132, 1152, 56, 16, |w| 25 / w), 5);
         // An SM that holds one block whatever its size: the most warps, fewest groups each.
-        assert_eq!(tiled_warps(132, 132, 64, |_| 1), 16);
+        assert_eq!(tiled_warps(132, 132, 64, 16, |_| 1), 16);
     }
 
     #[test]

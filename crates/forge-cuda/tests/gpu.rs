@@ -531,12 +531,13 @@ fn w4a16_tiled_gemv_matches_cpu() {
     let mut seed = 71;
     for act in [DType::F16, DType::Bf16] {
         for m in 1..=ops::TILED_MAX_M {
-            // G 64/128/256; 4, 8 and 16 warps a tile; a warp with a ragged share of groups
-            // (7 groups over 4 warps); the smallest N.
+            // G 64/128/256; 4 to 32 warps a tile (M <= 8: 32 at 4096x2048, 25 at 3200x256);
+            // a warp with a ragged share of groups (7 groups over 4 warps); the smallest N.
             for (k, n, g) in [
                 (512usize, 256usize, 128usize),
                 (1024, 544, 64),
                 (4096, 2048, 128),
+                (3200, 256, 128),
                 (1792, 48, 256),
                 (896, 16, 128),
             ] {
