@@ -1511,30 +1511,43 @@ impl TiledGemv {
 }
 
 /// Warps per block of the tiled GEMV (at most `max_warps`, the kernel's, and no more than
-/// `groups`: a warp takes whole groups), for `tiles` blocks of `groups` K-groups each on `sms`
-/// SMs, `blocks_per_sm(w)` of `w` warps resident at once. A block's warps take
-/// `ceil(groups / w)` groups each (the busiest warp sets the block's time) and the blocks run
-/// in `ceil(tiles / (sms · blocks_per_sm(w)))` waves, each wave paying its ramp (first loads,
-/// the block's final reduction) besides its groups: the fewest
-/// `waves · (TILED_WAVE_GROUPS + ceil(groups / w))` wins, ties to more warps, and then the
-/// fewest warps that give each the same groups (no warp without groups: no more waves).
-/// A whole last wave matters: on an H100, 7168×18432 (1152 tiles of 56 groups) at 4 warps a
-/// block made 2.2 waves of 528 blocks, and 5 warps (3 waves of 396) ran M = 1 in 34.7
-/// against 37.3 µs and M = 16 in 40.3 against 46.3 (README, "Tiled GEMV warps a block").
+/// `groups`: a warp takes whole groups), for `tiles` blocks of `groups` K-groups of
+/// `group_chunks` 64-wide chunks each on `sms` SMs, `blocks_per_sm(w)` of `w` warps resident
+/// at once. A block's warps take `ceil(groups / w)` groups each (the busiest warp sets the
+/// block's time, `b`) and an SM starts a block whenever one of its slots frees, so the
+/// `tiles` blocks on `slots = sms · blocks_per_sm(w)` take about `max(1, tiles / slots) · b`
+/// plus, past one round, the last block's `b` (list scheduling's bound), plus each round's
+/// ramp: the fewest `(max(1, tiles / slots) + [tiles > slots]) · b + TILED_WAVE_GROUPS ·
+/// ceil(tiles / slots)` wins, ties to more warps, and then the fewest warps that give each
+/// the same groups (no warp without groups). Once every SM has a block (`tiles >= sms`) a
+/// warp keeps at least [`TILED_MIN_CHUNKS`] chunks (above 4 warps): a warp pays its first
+/// loads' latency alone, and more warps add no SMs.
+/// On an H200, over ten DeepSeek-V3 shapes at M = 1 (4 to 32 warps each, README, "Warps a
+/// block, swept"), this picks a count within 1 % of the fastest on each, where whole waves
+/// (`ceil(tiles / slots) · (TILED_WAVE_GROUPS + b)`) ran 2048x7168 at 8 warps in 5.96 µs
+/// against 4 warps' 5.44, and 7168x18432 (1152 tiles of 56 groups) at 6 in 26.6 against 8
+/// warps' 25.1; at M = 16 both pick the same counts.
 fn tiled_warps(
     sms: usize,
     tiles: usize,
     groups: usize,
+    group_chunks: usize,
     max_warps: usize,
     blocks_per_sm: impl Fn(usize) -> usize,
 ) -> usize {
     let cost = |w: usize| {
         let slots = sms * blocks_per_sm(w).max(1);
-        tiles.div_ceil(slots) * (TILED_WAVE_GROUPS + groups.div_ceil(w))
+        let b = groups.div_ceil(w);
+        let rounds = tiles as f64 / slots as f64;
+        let tail = if tiles > slots { 1.0 } else { 0.0 };
+        (rounds.max(1.0) + tail) * b as f64 + (TILED_WAVE_GROUPS * tiles.div_ceil(slots)) as f64
     };
+    let short =
+        |w: usize| w > 4 && tiles >= sms && groups.div_ceil(w) * group_chunks < TILED_MIN_CHUNKS;
     let w = (4..=groups.clamp(4, max_warps))
         .rev()
-        .min_by_key(|&w| cost(w))
+        .filter(|&w| !short(w))
+        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
         .unwrap_or(4);
     groups.div_ceil(groups.div_ceil(w)).max(4)
 }
@@ -1545,10 +1558,12 @@ fn tiled_warps(
 pub(crate) const TILED_MAX_WARPS: usize = 32;
 /// The same for the M > 8 kernel (82 registers).
 pub(crate) const TILED16_MAX_WARPS: usize = 16;
-/// A wave's fixed cost in the time of one group a warp, from H100 timings of the three bench
-/// shapes at warp counts 4, 5, 6, 7, 8, 12 and 16: any value from 1 to 8 picks each shape's
-/// fastest count.
+/// A round's ramp in the time of one group a warp: from 2 to 4 the H200 sweep's picks are the
+/// same (README, "Warps a block, swept").
 const TILED_WAVE_GROUPS: usize = 4;
+/// The fewest 64-wide chunks of weights a warp takes once every SM has a block (8 to 12 pick
+/// the same counts in the H200 sweep): 4 times the 2 it keeps in flight.
+const TILED_MIN_CHUNKS: usize = 8;
 
 /// The tiled GEMV's dynamic shared memory: the M <= 8 kernel's (`token_tiles` 1) warps'
 /// outputs for the block's final sum, 16 rows × 8 tokens of fp32 a warp; the M > 8 kernel's
@@ -1583,9 +1598,14 @@ fn tiled_plan(
         };
         let warps = match knobs().tiled_warps {
             Some(w) => w.min(max_warps),
-            None => tiled_warps(sms, n / TILE_N, k / group_size, max_warps, |w| {
-                dev.occupancy(f, (32 * w) as u32, tiled_red_bytes(token_tiles, w))
-            }),
+            None => tiled_warps(
+                sms,
+                n / TILE_N,
+                k / group_size,
+                group_size / 64,
+                max_warps,
+                |w| dev.occupancy(f, (32 * w) as u32, tiled_red_bytes(token_tiles, w)),
+            ),
         };
         Ok((warps, f, None))
     })?;
@@ -2468,32 +2488,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tiled_warps_fill_whole_waves() {
-        // An H100 (132 SMs) and the tiled kernels' 118 registers: 17 warps an SM.
-        let pick = |tiles: usize, groups: usize| tiled_warps(132, tiles, groups, 16, |w| 17 / w);
-        // 7168x18432 (1152 tiles of 56 groups of 128): 5 warps, 3 waves of 396 blocks, not 4
-        // warps' 2.2 waves of 528 (measured 34.7 against 37.3 µs at M = 1).
-        assert_eq!(pick(1152, 56), 5);
-        // 7168x2048: 128 tiles, one wave at any count: the most warps (4 groups each: 14).
-        assert_eq!(pick(128, 56), 14);
-        // The M <= 8 kernel takes up to 32 (64 registers, 32 warps an SM): 2 groups each.
-        assert_eq!(tiled_warps(132, 128, 56, 32, |w| 32 / w), 28);
-        assert_eq!(tiled_warps(132, 128, 64, 32, |w| 32 / w), 32);
-        // 2048x7168 (448 tiles of 16 groups) and 16384x7168 (448 of 128): one wave of 4-warp blocks.
-        assert_eq!(pick(448, 16), 4);
-        assert_eq!(pick(448, 128), 4);
-        // 4096x4096: 256 tiles fit 2 blocks of 8 warps an SM in one wave.
-        assert_eq!(pick(256, 32), 8);
-        // Fewer groups than warps: no warp without a group past the fewest (4), though every
-        // count is one wave of equal cost here.
-        assert_eq!(pick(8, 2), 4);
-        assert_eq!(pick(8, 6), 6);
-        // The 80-register M <= 8 kernel (25 warps an SM): 2048x7168 in one wave of 6-warp
-        // blocks (4 an SM, 3 groups a warp) rather than 4-warp ones (6 an SM, 4 groups a warp).
-        assert_eq!(tiled_warps(132, 448, 16, 16, |w| 25 / w), 6);
-        assert_eq!(tiled_warps(132, 1152, 56, 16, |w| 25 / w), 5);
+    fn tiled_warps_picks() {
+        // An H200 (132 SMs), G = 128 (2 chunks a group). The M <= 8 kernel: 64 registers, 32
+        // warps an SM; each pick below was within 1 % of the fastest of 4 to 32 warps measured
+        // at M = 1 (README, "Warps a block, swept").
+        let m1 = |tiles: usize, groups: usize| tiled_warps(132, tiles, groups, 2, 32, |w| 32 / w);
+        // 7168x18432 (1152 tiles of 56 groups): 8 warps (25.1 µs; 4 rounds' worth of 528
+        // blocks, 7 groups a warp), not whole waves' 6 (26.6: 10 groups for the busiest warp)
+        // nor 4 (28.6: one round and a tail of 14-group blocks).
+        assert_eq!(m1(1152, 56), 8);
+        // 2048x7168 (448 tiles of 16 groups): 4 warps of 4 groups (5.44 µs), not 8 of 2 (5.96).
+        assert_eq!(m1(448, 16), 4);
+        // 16384x7168, 18432x7168 (448 tiles of 128, 144 groups): 8 warps.
+        assert_eq!(m1(448, 128), 8);
+        assert_eq!(m1(448, 144), 8);
+        // 7168x4096 (256 tiles): 14 warps of 4 groups; 1536x24576, 512x32768: 4 warps.
+        assert_eq!(m1(256, 56), 14);
+        assert_eq!(m1(1536, 12), 4);
+        assert_eq!(m1(2048, 4), 4);
+        // Fewer tiles than SMs (7168x2048, 7168x1536, 7168x576): a tile's groups over a whole
+        // SM, 2 a warp (28 warps), whatever the chunks.
+        assert_eq!(m1(128, 56), 28);
+        assert_eq!(m1(96, 56), 28);
+        assert_eq!(m1(36, 56), 28);
+        assert_eq!(tiled_warps(132, 128, 64, 2, 32, |w| 32 / w), 32);
+        // G = 64 (1 chunk a group): 2048x7168's 32 groups still make 8-chunk warps.
+        assert_eq!(tiled_warps(132, 448, 32, 1, 32, |w| 32 / w), 4);
+        // The M > 8 kernel (82 registers: 20 warps an SM, at most 16 a block).
+        let m16 = |tiles: usize, groups: usize| tiled_warps(132, tiles, groups, 2, 16, |w| 20 / w);
+        assert_eq!(m16(1152, 56), 4);
+        assert_eq!(m16(448, 144), 5);
+        assert_eq!(m16(128, 56), 14);
+        // Fewer groups than warps: no warp without a group past the fewest (4).
+        assert_eq!(m1(8, 2), 4);
+        assert_eq!(m1(8, 6), 6);
         // An SM that holds one block whatever its size: the most warps, fewest groups each.
-        assert_eq!(tiled_warps(132, 132, 64, 16, |_| 1), 16);
+        assert_eq!(tiled_warps(132, 132, 64, 2, 16, |_| 1), 16);
     }
 
     #[test]
