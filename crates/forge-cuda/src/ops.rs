@@ -2493,9 +2493,9 @@ mod tests {
         // warps an SM; each pick below was within 1 % of the fastest of 4 to 32 warps measured
         // at M = 1 (README, "Warps a block, swept").
         let m1 = |tiles: usize, groups: usize| tiled_warps(132, tiles, groups, 2, 32, |w| 32 / w);
-        // 7168x18432 (1152 tiles of 56 groups): 8 warps (25.1 µs; 4 rounds' worth of 528
-        // blocks, 7 groups a warp), not whole waves' 6 (26.6: 10 groups for the busiest warp)
-        // nor 4 (28.6: one round and a tail of 14-group blocks).
+        // 7168x18432 (1152 tiles of 56 groups): 8 warps (25.1 µs; 2.2 rounds of 528 blocks, 7
+        // groups a warp), not whole waves' 6 (26.6: 10 groups for the busiest warp) nor 4
+        // (28.6: 1.1 rounds of 1056 blocks, then a tail of 14-group blocks).
         assert_eq!(m1(1152, 56), 8);
         // 2048x7168 (448 tiles of 16 groups): 4 warps of 4 groups (5.44 µs), not 8 of 2 (5.96).
         assert_eq!(m1(448, 16), 4);
