@@ -1273,16 +1273,6 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
                                                       const u32* __restrict__ qz, const u16* __restrict__ sc,
                                                       u16* __restrict__ y, int M, int N, int K, int G) {
     static_assert(NT == 1 || NT == 2, "one or two token tiles");
-    // The warps' outputs for the final sum, [warps][16 rows][8·NT tokens] fp32: the M > 8
-    // kernel's (NT = 2) a static array for its 16 warps, the M <= 8 kernel's dynamic shared
-    // memory sized by ops.rs to the launch's up to 32 (on an H200 1-12 % faster on ten
-    // DeepSeek-V3 shapes than a static array for 32). Each kernel's sum below is written in the
-    // one form found to keep its registers: NVRTC 13.0 gave the M > 8 kernel 83 registers, not
-    // 82, whenever its array was reached through a pointer or an accessor, and then ran
-    // 7168x18432 at M = 16 in 37.2 against 34.0 µs; the M <= 8 kernel's flat indexing runs it
-    // 1-3 % faster than 3-D (README, "Up to 32 warps a tile").
-    __shared__ float red16[NT == 2 ? TILED16_MAX_WARPS : 1][16][8 * NT];
-    extern __shared__ float red_dyn[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int g = lane >> 2, tt = lane & 3, t = blockIdx.x;
     const int groups = K / G, gch = G >> 6;
@@ -1354,8 +1344,17 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
         }
     }
 
-    // The warps' outputs summed in warp order through shared memory; rows < M written.
+    // The warps' outputs summed in warp order through shared memory; rows < M written. The
+    // outputs, [warps][16 rows][8·NT tokens] fp32: the M > 8 kernel's (NT = 2) a static array
+    // for its 16 warps, the M <= 8 kernel's dynamic shared memory sized by ops.rs to the
+    // launch's up to 32 (on an H200 1-12 % faster on ten DeepSeek-V3 shapes than a static array
+    // for 32). Each kernel's sum is written in the one form found to keep its registers: NVRTC
+    // 13.0 gave the M > 8 kernel 83 registers, not 82, whenever its array was reached through a
+    // pointer or an accessor, and then ran 7168x18432 at M = 16 in 37.2 against 34.0 µs; the
+    // M <= 8 kernel's flat indexing runs it 1-3 % faster than 3-D (README, "Up to 32 warps a
+    // tile").
     if constexpr (NT == 2) {
+        __shared__ float red16[TILED16_MAX_WARPS][16][8 * NT];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             red16[warp][g][8 * nt + 2 * tt] = st.out[nt][0];
@@ -1373,6 +1372,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
             }
         }
     } else {
+        extern __shared__ float red_dyn[];
         red_dyn[(warp * 16 + g) * 8 + 2 * tt] = st.out[0][0];
         red_dyn[(warp * 16 + g) * 8 + 2 * tt + 1] = st.out[0][1];
         red_dyn[(warp * 16 + g + 8) * 8 + 2 * tt] = st.out[0][2];

@@ -1565,24 +1565,36 @@ const TILED_WAVE_GROUPS: usize = 4;
 /// the same counts in the H200 sweep): 4 times the 2 it keeps in flight.
 const TILED_MIN_CHUNKS: usize = 8;
 
-/// The tiled GEMV's dynamic shared memory: the M <= 8 kernel's (`token_tiles` 1) warps'
-/// outputs for the block's final sum, 16 rows × 8 tokens of fp32 a warp; the M > 8 kernel's
-/// are static (gemm.cu, `w4a16_gemv_tiled_impl`).
-fn tiled_red_bytes(token_tiles: usize, warps: usize) -> usize {
-    if token_tiles == 1 {
-        warps * 16 * 8 * 4
-    } else {
-        0
-    }
+/// One of the two tiled GEMV kernels (M <= 8 and 8 < M <= 16): its entry points, its most
+/// warps a block, and the dynamic shared memory a warp of a launch takes (the M <= 8 kernel's
+/// final-sum buffer, 16 rows × 8 tokens of fp32 a warp; the M > 8 kernel's is static, gemm.cu
+/// `w4a16_gemv_tiled_impl`).
+struct TiledKernel {
+    f16: &'static str,
+    bf16: &'static str,
+    max_warps: usize,
+    smem_per_warp: usize,
 }
 
-/// The tiled GEMV's kernel and warps a block for a shape (`FORGE_TILED_WARPS`, a tuning aid,
-/// forces the count; see [`Knobs`]), cached per (device, kernel, N, K, G). `token_tiles`: 1 for
-/// the M <= 8 kernel, 2 for the M > 8 one.
+const TILED8: TiledKernel = TiledKernel {
+    f16: "w4a16_gemv_tiled_f16",
+    bf16: "w4a16_gemv_tiled_bf16",
+    max_warps: TILED_MAX_WARPS,
+    smem_per_warp: 16 * 8 * 4,
+};
+const TILED16: TiledKernel = TiledKernel {
+    f16: "w4a16_gemv_tiled16_f16",
+    bf16: "w4a16_gemv_tiled16_bf16",
+    max_warps: TILED16_MAX_WARPS,
+    smem_per_warp: 0,
+};
+
+/// The tiled GEMV's warps a block for a shape (`FORGE_TILED_WARPS`, a tuning aid, forces the
+/// count; see [`Knobs`]) and entry point `name` of `kernel`, cached per (device, entry, N, K, G).
 fn tiled_plan(
     dev: &Device,
+    kernel: &TiledKernel,
     name: &'static str,
-    token_tiles: usize,
     n: usize,
     k: usize,
     group_size: usize,
@@ -1591,20 +1603,15 @@ fn tiled_plan(
     let (warps, f, _) = cached_plan(&PLANS, (dev.ordinal, name, n, k, group_size), || {
         let f = dev.function(name)?;
         let sms = dev.sm_count.max(1) as usize;
-        let max_warps = if token_tiles == 2 {
-            TILED16_MAX_WARPS
-        } else {
-            TILED_MAX_WARPS
-        };
         let warps = match knobs().tiled_warps {
-            Some(w) => w.min(max_warps),
+            Some(w) => w.min(kernel.max_warps),
             None => tiled_warps(
                 sms,
                 n / TILE_N,
                 k / group_size,
                 group_size / 64,
-                max_warps,
-                |w| dev.occupancy(f, (32 * w) as u32, tiled_red_bytes(token_tiles, w)),
+                kernel.max_warps,
+                |w| dev.occupancy(f, (32 * w) as u32, w * kernel.smem_per_warp),
             ),
         };
         Ok((warps, f, None))
@@ -1622,14 +1629,13 @@ fn tiled_plan(
 pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
     a.validate()?;
     let dev = dev_of(s)?;
-    let name = match (a.act == DType::F16, a.m > 8) {
-        (true, false) => "w4a16_gemv_tiled_f16",
-        (false, false) => "w4a16_gemv_tiled_bf16",
-        (true, true) => "w4a16_gemv_tiled16_f16",
-        (false, true) => "w4a16_gemv_tiled16_bf16",
+    let kernel = if a.m > 8 { &TILED16 } else { &TILED8 };
+    let name = if a.act == DType::F16 {
+        kernel.f16
+    } else {
+        kernel.bf16
     };
-    let token_tiles = if a.m > 8 { 2 } else { 1 };
-    let (warps, f) = tiled_plan(dev, name, token_tiles, a.n, a.k, a.group_size)?;
+    let (warps, f) = tiled_plan(dev, kernel, name, a.n, a.k, a.group_size)?;
     let (mut px, mut pq, mut pz, mut ps, mut py) = (a.x, a.qweight_tiled, a.qzeros, a.scales, a.y);
     let (mut mm, mut nn, mut kk, mut g) = (
         a.m as i32,
@@ -1646,7 +1652,7 @@ pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
             f,
             grid,
             ((32 * warps) as u32, 1, 1),
-            tiled_red_bytes(token_tiles, warps) as u32,
+            (warps * kernel.smem_per_warp) as u32,
             s.handle,
             &mut p,
         )
@@ -2511,7 +2517,7 @@ mod tests {
         assert_eq!(m1(128, 56), 28);
         assert_eq!(m1(96, 56), 28);
         assert_eq!(m1(36, 56), 28);
-        assert_eq!(tiled_warps(132, 128, 64, 2, 32, |w| 32 / w), 32);
+        assert_eq!(m1(128, 64), 32);
         // G = 64 (1 chunk a group): 2048x7168's 32 groups still make 8-chunk warps.
         assert_eq!(tiled_warps(132, 448, 32, 1, 32, |w| 32 / w), 4);
         // The M > 8 kernel (82 registers: 20 warps an SM, at most 16 a block).
