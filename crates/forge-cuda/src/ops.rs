@@ -2374,11 +2374,61 @@ pub fn gptq_workspace_bytes(experts: usize, c: usize, r: usize, block_size: usiz
     experts * gptq_super(block_size.clamp(1, GPTQ_MAX_BLOCK)).min(c) * r * 4
 }
 
-/// Blocked GPTQ (docs/numerics.md) on `experts` matrices of one shape, in place:
-/// `w`: f32 `[E, C, R]` (`weight_t`, updated: quantized rows hold x̂ on return),
-/// `u`: f32 `[E, C, C]` upper Cholesky factor of H⁻¹ (processing order), `qmeta`:
-/// u32 `[E, R, ceil(C/G)]`, `perm`: i32 `[E, C]` or 0, `codes`: u8 `[E, C, R]` (original
-/// order), `err_ws`: f32 workspace of [`gptq_workspace_bytes`]. `block_size` ≤ 128.
+/// Arguments of [`gptq_solve`]: blocked GPTQ (docs/numerics.md) on `experts` matrices of one
+/// shape `C × R` (`weight_t`), in place.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GptqSolve {
+    /// f32 `[E, C, R]` (`weight_t`), updated: quantized rows hold x̂ on return.
+    pub w: u64,
+    /// f32 `[E, C, C]`: the upper Cholesky factor of H⁻¹, in processing order.
+    pub u: u64,
+    /// u32 `[E, R, ceil(C/G)]`: each output row's grid words.
+    pub qmeta: u64,
+    /// i32 `[E, C]`: the processing order (activation order), or 0 for the natural order.
+    pub perm: u64,
+    /// u8 `[E, C, R]`: the codes, written in the original order.
+    pub codes: u64,
+    /// f32 workspace of [`gptq_workspace_bytes`] for these dimensions.
+    pub err_ws: u64,
+    /// Matrices `E`.
+    pub experts: usize,
+    /// Inputs `C` (the rows of `weight_t`, quantized in order).
+    pub c: usize,
+    /// Outputs `R`.
+    pub r: usize,
+    /// The grid's bits and group size (along `C`).
+    pub spec: GridSpec,
+    /// Columns quantized together before their errors update the rest: 1..=128.
+    pub block_size: usize,
+}
+
+impl GptqSolve {
+    /// Every argument checked before the driver is touched.
+    pub fn validate(&self) -> Result<()> {
+        check_spec(&self.spec)?;
+        check_nonzero("experts", self.experts)?;
+        check_nonzero("c", self.c)?;
+        check_nonzero("r", self.r)?;
+        to_i32("experts", self.experts)?;
+        to_i32("c", self.c)?;
+        to_i32("r", self.r)?;
+        if self.block_size == 0 || self.block_size > GPTQ_MAX_BLOCK {
+            return Err(CudaError::arg("block_size", "1..=128", self.block_size));
+        }
+        for (name, p) in [
+            ("w", self.w),
+            ("u", self.u),
+            ("qmeta", self.qmeta),
+            ("codes", self.codes),
+            ("err_ws", self.err_ws),
+        ] {
+            check_align(name, p, 1)?;
+        }
+        Ok(())
+    }
+}
+
+/// Blocked GPTQ on `experts` matrices of one shape, in place (see [`GptqSolve`]).
 ///
 /// The trailing updates are lazy at two levels: a block's errors update only the rest of its
 /// super-block (about 4 blocks); a super-block's errors then update all later rows in one
@@ -2387,37 +2437,21 @@ pub fn gptq_workspace_bytes(experts: usize, c: usize, r: usize, block_size: usiz
 ///
 /// # Safety
 /// See the module documentation.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gptq_solve(
-    w: u64,
-    u: u64,
-    qmeta: u64,
-    perm: u64,
-    codes: u64,
-    err_ws: u64,
-    experts: usize,
-    c: usize,
-    r: usize,
-    spec: &GridSpec,
-    block_size: usize,
-    s: Stream,
-) -> Result<()> {
-    check_spec(spec)?;
-    check_nonzero("experts", experts)?;
-    check_nonzero("c", c)?;
-    check_nonzero("r", r)?;
-    if block_size == 0 || block_size > GPTQ_MAX_BLOCK {
-        return Err(CudaError::arg("block_size", "1..=128", block_size));
-    }
-    for (name, p) in [
-        ("w", w),
-        ("u", u),
-        ("qmeta", qmeta),
-        ("codes", codes),
-        ("err_ws", err_ws),
-    ] {
-        check_align(name, p, 1)?;
-    }
+pub unsafe fn gptq_solve(a: &GptqSolve, s: Stream) -> Result<()> {
+    a.validate()?;
+    let GptqSolve {
+        w,
+        u,
+        qmeta,
+        perm,
+        codes,
+        err_ws,
+        experts,
+        c,
+        r,
+        spec,
+        block_size,
+    } = *a;
     let dev = dev_of(s)?;
     let fb = dev.function("gptq_block_f32")?;
     let ft = dev.function("gptq_trail_tf32x3")?;
@@ -2839,6 +2873,66 @@ mod tests {
             n: 512,
             k: 256,
             spec: spec(4, 128),
+        }
+    }
+
+    #[test]
+    fn gptq_solve_args_are_validated_before_the_driver() {
+        let a = GptqSolve {
+            w: 256,
+            u: 512,
+            qmeta: 768,
+            perm: 0,
+            codes: 1024,
+            err_ws: 1280,
+            experts: 2,
+            c: 256,
+            r: 64,
+            spec: spec(4, 128),
+            block_size: 128,
+        };
+        assert!(a.validate().is_ok());
+        assert!(GptqSolve { perm: 2048, ..a }.validate().is_ok());
+        assert_eq!(refused(GptqSolve { experts: 0, ..a }.validate()), "experts");
+        assert_eq!(refused(GptqSolve { c: 0, ..a }.validate()), "c");
+        assert_eq!(refused(GptqSolve { r: 1 << 31, ..a }.validate()), "r");
+        assert_eq!(
+            refused(GptqSolve { block_size: 0, ..a }.validate()),
+            "block_size"
+        );
+        assert_eq!(
+            refused(
+                GptqSolve {
+                    block_size: 129,
+                    ..a
+                }
+                .validate()
+            ),
+            "block_size"
+        );
+        assert_eq!(
+            refused(
+                GptqSolve {
+                    spec: spec(4, 100),
+                    ..a
+                }
+                .validate()
+            ),
+            "spec"
+        );
+        for (name, bad) in [
+            ("w", GptqSolve { w: 0, ..a }),
+            ("u", GptqSolve { u: 0, ..a }),
+            ("qmeta", GptqSolve { qmeta: 0, ..a }),
+            ("codes", GptqSolve { codes: 0, ..a }),
+            ("err_ws", GptqSolve { err_ws: 0, ..a }),
+        ] {
+            assert_eq!(refused(bad.validate()), name);
+            // The launch refuses it too, whatever the machine.
+            assert_eq!(
+                refused(unsafe { gptq_solve(&bad, Stream::default()) }),
+                name
+            );
         }
     }
 

@@ -315,17 +315,19 @@ fn bench_all() {
     let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, c, rr, 128)).unwrap();
     let ms = time_ms(0, 0, 0, 1, || unsafe {
         ops::gptq_solve(
-            dw.ptr(),
-            du.ptr(),
-            dq.ptr(),
-            0,
-            dc.ptr(),
-            de.ptr(),
-            e,
-            c,
-            rr,
-            &spec,
-            128,
+            &ops::GptqSolve {
+                w: dw.ptr(),
+                u: du.ptr(),
+                qmeta: dq.ptr(),
+                perm: 0,
+                codes: dc.ptr(),
+                err_ws: de.ptr(),
+                experts: e,
+                c,
+                r: rr,
+                spec,
+                block_size: 128,
+            },
             S,
         )
     })
@@ -387,17 +389,19 @@ fn bench_gptq_batched() {
         let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, c, rr, 128)).unwrap();
         let ms = time_ms(0, 0, 1, 2, || unsafe {
             ops::gptq_solve(
-                dw.ptr(),
-                du.ptr(),
-                dq.ptr(),
-                0,
-                dc.ptr(),
-                de.ptr(),
-                e,
-                c,
-                rr,
-                &spec,
-                128,
+                &ops::GptqSolve {
+                    w: dw.ptr(),
+                    u: du.ptr(),
+                    qmeta: dq.ptr(),
+                    perm: 0,
+                    codes: dc.ptr(),
+                    err_ws: de.ptr(),
+                    experts: e,
+                    c,
+                    r: rr,
+                    spec,
+                    block_size: 128,
+                },
                 S,
             )
         })

@@ -1235,17 +1235,19 @@ fn gptq_solver_matches_cpu() {
         let pp = if act { dp.ptr() } else { 0 };
         unsafe {
             ops::gptq_solve(
-                dw.ptr(),
-                du.ptr(),
-                dq.ptr(),
-                pp,
-                dc.ptr(),
-                de.ptr(),
-                e,
-                c,
-                r,
-                &spec,
-                128,
+                &ops::GptqSolve {
+                    w: dw.ptr(),
+                    u: du.ptr(),
+                    qmeta: dq.ptr(),
+                    perm: pp,
+                    codes: dc.ptr(),
+                    err_ws: de.ptr(),
+                    experts: e,
+                    c,
+                    r,
+                    spec,
+                    block_size: 128,
+                },
                 S,
             )
         }

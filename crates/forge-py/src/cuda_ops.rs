@@ -238,17 +238,19 @@ pub fn gptq_solve<'py>(
     // SAFETY: live CUDA tensors of checked shapes.
     unsafe {
         cu::gptq_solve(
-            w.ptr as u64,
-            u.ptr as u64,
-            qmeta.ptr as u64,
-            pp,
-            cp,
-            wsp,
-            experts,
-            c,
-            r,
-            spec,
-            block_size,
+            &cu::GptqSolve {
+                w: w.ptr as u64,
+                u: u.ptr as u64,
+                qmeta: qmeta.ptr as u64,
+                perm: pp,
+                codes: cp,
+                err_ws: wsp,
+                experts,
+                c,
+                r,
+                spec: *spec,
+                block_size,
+            },
             s,
         )
     }
