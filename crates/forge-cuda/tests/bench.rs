@@ -313,30 +313,38 @@ fn bench_all() {
     let dq = DeviceBuf::from_slice(0, &qmv).unwrap();
     let dc = DeviceBuf::zeroed(0, e * c * rr).unwrap();
     let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, c, rr, 128)).unwrap();
-    let ms = time_ms(0, 0, 0, 1, || unsafe {
-        ops::gptq_solve(
-            &ops::GptqSolve {
-                w: dw.ptr(),
-                u: du.ptr(),
-                qmeta: dq.ptr(),
-                perm: 0,
-                codes: dc.ptr(),
-                err_ws: de.ptr(),
-                experts: e,
-                c,
-                r: rr,
-                spec,
-                block_size: 128,
-            },
-            S,
-        )
-    })
-    .unwrap();
+    let a = gptq_args([&dw, &du, &dq, &dc, &de], e, c, rr, spec);
+    let ms = time_ms(0, 0, 0, 1, || unsafe { ops::gptq_solve(&a, S) }).unwrap();
     println!(
         "BENCH gptq_solve {e} experts of C={c} R={rr}: {:.1} ms ({:.2} ms per matrix)",
         ms,
         ms / e as f32
     );
+}
+
+/// A GPTQ solve of `e` matrices of `c × rr` on the buffers `[w, u, qmeta, codes, err_ws]`,
+/// in the natural order, 128 columns a block.
+fn gptq_args(
+    bufs: [&DeviceBuf; 5],
+    e: usize,
+    c: usize,
+    rr: usize,
+    spec: GridSpec,
+) -> ops::GptqSolve {
+    let [w, u, qmeta, codes, err_ws] = bufs;
+    ops::GptqSolve {
+        w: w.ptr(),
+        u: u.ptr(),
+        qmeta: qmeta.ptr(),
+        perm: 0,
+        codes: codes.ptr(),
+        err_ws: err_ws.ptr(),
+        experts: e,
+        c,
+        r: rr,
+        spec,
+        block_size: 128,
+    }
 }
 
 /// Batched GPTQ at the anchor shapes (anchors.md: torch.bmm reference 28.5 ms per matrix for
@@ -387,25 +395,8 @@ fn bench_gptq_batched() {
         }
         let dc = DeviceBuf::zeroed(0, e * c * rr).unwrap();
         let de = DeviceBuf::zeroed(0, ops::gptq_workspace_bytes(e, c, rr, 128)).unwrap();
-        let ms = time_ms(0, 0, 1, 2, || unsafe {
-            ops::gptq_solve(
-                &ops::GptqSolve {
-                    w: dw.ptr(),
-                    u: du.ptr(),
-                    qmeta: dq.ptr(),
-                    perm: 0,
-                    codes: dc.ptr(),
-                    err_ws: de.ptr(),
-                    experts: e,
-                    c,
-                    r: rr,
-                    spec,
-                    block_size: 128,
-                },
-                S,
-            )
-        })
-        .unwrap();
+        let a = gptq_args([&dw, &du, &dq, &dc, &de], e, c, rr, spec);
+        let ms = time_ms(0, 0, 1, 2, || unsafe { ops::gptq_solve(&a, S) }).unwrap();
         let tf = (e * rr * c * c) as f64 / (ms as f64 * 1e-3) / 1e12;
         println!(
             "BENCH gptq_solve {e} experts of C={c} R={rr}: {:.1} ms ({:.3} ms per matrix, {:.1} TFLOP/s counting R*C^2)",
