@@ -2457,10 +2457,10 @@ pub unsafe fn gptq_solve(a: &GptqSolve, s: Stream) -> Result<()> {
     let ft = dev.function("gptq_trail_tf32x3")?;
     let aligned =
         [u, err_ws, w].iter().all(|&p| p % 16 == 0) && c.is_multiple_of(4) && r.is_multiple_of(4);
-    let ee = to_i32("experts", experts)? as u32;
-    let (ci, ri) = (to_i32("c", c)?, to_i32("r", r)?);
+    // validate() bounded experts, c and r by i32, and the error rows are at most c.
+    let (ee, ci, ri) = (experts as u32, c as i32, r as i32);
     let sup = gptq_super(block_size);
-    let err_rows = to_i32("err rows", sup.min(c))?;
+    let err_rows = sup.min(c) as i32;
     // W[row0..row1] -= U[k0..k0+kn, row0..row1]ᵀ · Err[0..kn], Err starting at column k0's row.
     let trail = |k0: usize, kn: usize, row0: usize, row1: usize, err: u64| -> Result<()> {
         let (mut pw, mut pu, mut pe, mut pp) = (w, u, err, perm);
