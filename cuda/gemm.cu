@@ -1267,7 +1267,10 @@ template <bool BF, int NT> struct TiledWarp {
 // the registers of a fourth block an SM (README, "The tiled GEMV's registers"). The weights
 // are loaded without L1 allocation (read once; L1 holds x, which the co-resident blocks
 // share): 7168x18432 at M = 1 31.1 -> 29.1 µs, M = 16 39.2 -> 37.4 on an H100 (README,
-// "Weights past L1").
+// "Weights past L1"). The main loop walks running pointers and, at G = 128, folds whole-group
+// rounds without counting chunks: a round of 2 chunks 210 -> 138 instructions (M <= 8), on an
+// H200 7168x18432 at M = 1 / 16 24.8 -> 21.8 / 34.0 -> 31.4 µs, six DeepSeek-V3 shapes 12-23 %
+// (M <= 8) and 8-14 % (M = 16) less time (README, "The tiled GEMV's main loop, strength-reduced").
 template <bool BF, int RW, int NT>
 __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x, const uint4* __restrict__ qt,
                                                       const u32* __restrict__ qz, const u16* __restrict__ sc,
@@ -1302,43 +1305,71 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     st.load_meta();
 
     uint4 wr[RW];
-    // Chunk i with the weights w: its x loaded, then multiplied.
-    auto multiply_chunk = [&](const uint4& w, int i) {
+    // The next chunk with the weights w: its x loaded, then multiplied. The x (xp, advanced a
+    // chunk at each use) and the next refill's weights (wn, advanced a chunk at each refill) are
+    // running pointers, not offsets recomputed from the chunk index.
+    auto multiply_chunk = [&](const uint4& w) {
         uint4 xa[NT], xb[NT];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            xa[nt] = __ldg(xp[nt] + 8 * i);
-            xb[nt] = __ldg(xp[nt] + 8 * i + 1);
+            xa[nt] = __ldg(xp[nt]);
+            xb[nt] = __ldg(xp[nt] + 1);
+            xp[nt] += 8;
         }
         st.chunk(w, xa, xb);
     };
 #pragma unroll
     for (int s = 0; s < RW; s++)
         if (s < n) wr[s] = ld_stream(wp + 32 * s);
+    const uint4* wn = wp + 32 * RW;
     st.take_meta();
     int in_grp = 0, c = 0;
-    // Full rounds whose refills are all in range: no per-chunk bounds checks.
-    for (; c + 2 * RW <= n; c += RW) {
+    if (gch == RW) {
+        // A round of RW chunks is one whole group (G = 128, DeepSeek-V3's group size; n is then
+        // a multiple of RW): each round folded at its end, with no count of the group's chunks,
+        // and the last round without refills.
+        for (; c + 2 * RW <= n; c += RW) {
 #pragma unroll
-        for (int s = 0; s < RW; s++) {
-            multiply_chunk(wr[s], c + s);
-            wr[s] = ld_stream(wp + 32 * (c + RW + s));
-            if (++in_grp == gch) {  // warp-uniform
-                in_grp = 0;
-                st.fold();
+            for (int s = 0; s < RW; s++) {
+                multiply_chunk(wr[s]);
+                wr[s] = ld_stream(wn);
+                wn += 32;
             }
+            st.fold();
         }
-    }
-    // The last (< 2·RW) chunks.
-    for (; c < n; c += RW) {
+        if (c < n) {
 #pragma unroll
-        for (int s = 0; s < RW; s++) {
-            if (c + s < n) {  // warp-uniform: the MMAs run convergently
-                multiply_chunk(wr[s], c + s);
-                if (c + RW + s < n) wr[s] = ld_stream(wp + 32 * (c + RW + s));
-                if (++in_grp == gch) {
+            for (int s = 0; s < RW; s++) multiply_chunk(wr[s]);
+            st.fold();
+        }
+    } else {
+        // Full rounds whose refills are all in range: no per-chunk bounds checks.
+        for (; c + 2 * RW <= n; c += RW) {
+#pragma unroll
+            for (int s = 0; s < RW; s++) {
+                multiply_chunk(wr[s]);
+                wr[s] = ld_stream(wn);
+                wn += 32;
+                if (++in_grp == gch) {  // warp-uniform
                     in_grp = 0;
                     st.fold();
+                }
+            }
+        }
+        // The last (< 2·RW) chunks.
+        for (; c < n; c += RW) {
+#pragma unroll
+            for (int s = 0; s < RW; s++) {
+                if (c + s < n) {  // warp-uniform: the MMAs run convergently
+                    multiply_chunk(wr[s]);
+                    if (c + RW + s < n) {
+                        wr[s] = ld_stream(wn);
+                        wn += 32;
+                    }
+                    if (++in_grp == gch) {
+                        in_grp = 0;
+                        st.fold();
+                    }
                 }
             }
         }
@@ -1394,7 +1425,8 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 // with the warps a block fitted to the tiles and SMs (ops.rs tiled_warps), up to 32: fewer
 // tiles than SMs (7168x2048) then spread a tile's groups over a whole SM's warps. 8 < M <= 16
 // (w4a16_gemv_tiled16_*): two token tiles share each A fragment, 2 chunks of weights in flight
-// (82 registers from NVRTC 13.0; with 3 chunks of weights and x in flight, 118). H200, M = 1 / 16: 7168x18432
+// (82 registers from NVRTC 13.0, 76 since the main loop's running pointers; with 3 chunks of
+// weights and x in flight, 118). H200, M = 1 / 16: 7168x18432
 // 27.3 -> 26.9 / 37.2 -> 34.1 µs, the expert shapes -1 to +3 / 8-9 % faster (README, "The
 // tiled GEMV's registers"). Not measured on an H100, where 2 chunks of x and weights at M = 16
 // (100 registers) were slower than 3 (53 against 45.5 µs on 7168x18432).
