@@ -1322,6 +1322,11 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     for (int s = 0; s < RW; s++)
         if (s < n) wr[s] = ld_stream(wp + 32 * s);
     const uint4* wn = wp + 32 * RW;
+    // Slot s refilled with the next chunk's weights.
+    auto refill = [&](int s) {
+        wr[s] = ld_stream(wn);
+        wn += 32;
+    };
     st.take_meta();
     int in_grp = 0, c = 0;
     if (gch == RW) {
@@ -1332,8 +1337,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 #pragma unroll
             for (int s = 0; s < RW; s++) {
                 multiply_chunk(wr[s]);
-                wr[s] = ld_stream(wn);
-                wn += 32;
+                refill(s);
             }
             st.fold();
         }
@@ -1348,8 +1352,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 #pragma unroll
             for (int s = 0; s < RW; s++) {
                 multiply_chunk(wr[s]);
-                wr[s] = ld_stream(wn);
-                wn += 32;
+                refill(s);
                 if (++in_grp == gch) {  // warp-uniform
                     in_grp = 0;
                     st.fold();
@@ -1362,10 +1365,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
             for (int s = 0; s < RW; s++) {
                 if (c + s < n) {  // warp-uniform: the MMAs run convergently
                     multiply_chunk(wr[s]);
-                    if (c + RW + s < n) {
-                        wr[s] = ld_stream(wn);
-                        wn += 32;
-                    }
+                    if (c + RW + s < n) refill(s);
                     if (++in_grp == gch) {
                         in_grp = 0;
                         st.fold();
