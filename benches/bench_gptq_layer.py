@@ -280,7 +280,7 @@ def main() -> int:
     r2 = runs[-1]
     ratio = full / r2["tokens"]
     upper = {k: v * (ratio if k in TOKEN_PHASES else 1.0) for k, v in r2["phases"].items() if k != "total"}
-    proj_phases = dict(upper)
+    proj_phases = upper
     how = (
         f"upper bound from the {r2['tokens']}-token run: token phases x{ratio:.0f}, solves and I/O unchanged"
     )
@@ -305,8 +305,14 @@ def main() -> int:
     # spends at most STATE_BUDGET of its time on them.
     from forge.calibrate import STATE_BUDGET
 
-    for phases in (proj_phases, upper):  # the upper bound carries the same allowance
-        phases["save state (at most, amortized)"] = sum(phases.values()) * STATE_BUDGET / (1 - STATE_BUDGET)
+    def with_state_saves(phases: dict) -> dict:
+        return {
+            **phases,
+            "save state (at most, amortized)": sum(phases.values()) * STATE_BUDGET / (1 - STATE_BUDGET),
+        }
+
+    # The upper bound carries the same allowance.
+    proj_phases, upper = with_state_saves(proj_phases), with_state_saves(upper)
     per_layer = sum(proj_phases.values())
     proj = {
         "row": "projection: DeepSeek-V3 (58 MoE + 3 dense layers), 512 x 4096 tokens",
