@@ -4,7 +4,7 @@ separate processes: JSON lines on stdout, one per (shape, M), warm and with the 
 L2, optionally beside bf16 cuBLAS (and with ``--tiled`` PyTorch's int4 tinygemm) on the same
 weights.
 
-    python benches/ab_gemm.py TAG [--ms 32,64,128] [--shapes 7168x2048,...] [--tiled] [--peers] [--reps 2]
+    python benches/ab_gemm.py TAG [--ms 32,64,128] [--shapes 7168x2048,...] [--tiled] [--peers] [--group 128] [--reps 2]
 
 The variants differ by environment, read once per process: ``FORGE_CUDA_SRC=dir`` (kernel
 sources from ``dir``, e.g. the previous ``cuda/gemm.cu`` and ``common.cuh``; give each variant
@@ -38,9 +38,9 @@ import torch
 import forge
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cuda  # noqa: E402
 from bench_cuda import (  # noqa: E402
     SHAPES,
-    G,
     awq_maker,
     awq_weights,
     bf16_maker,
@@ -54,7 +54,8 @@ from forge import runtime  # noqa: E402
 
 
 def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool, reps: int) -> None:
-    """Prints the rows of one weight shape ``(K, N)``."""
+    """Prints the rows of one weight shape ``(K, N)``, at the group size ``bench_cuda.G``."""
+    G = bench_cuda.G
     w, _, (qw, qz, sc) = awq_weights(k, n)
     deq = forge.dequantize_awq(qw, qz, sc, G).double()
     tiny = tinygemm_weights(qw, qz, sc) if tiled and peers else None
@@ -77,6 +78,7 @@ def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool
             "k": k,
             "n": n,
             "m": m,
+            "g": G,
             "err_tol": float(((y.double() - ref).abs() / tol).max()),
             "ysum": float(y.double().sum()),
             # the plan's split-K workspace (0: K not split, or split within a cluster)
@@ -109,6 +111,9 @@ def main() -> None:
         action="store_true",
         help="also time bf16 cuBLAS (with --tiled: and tinygemm) on the same weights",
     )
+    ap.add_argument(
+        "--group", type=int, default=bench_cuda.G, help="quantization group size G (default %(default)s)"
+    )
     ap.add_argument("--reps", type=int, default=2, help="measurements per time (the lowest is kept)")
     ap.add_argument(
         "--shapes",
@@ -118,6 +123,7 @@ def main() -> None:
         + ")",
     )
     args = ap.parse_args()
+    bench_cuda.G = args.group  # read by the weight makers and the peers' packing
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     torch.manual_seed(0)
