@@ -38,9 +38,9 @@ import torch
 import forge
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_cuda  # noqa: E402
 from bench_cuda import (  # noqa: E402
     SHAPES,
+    G,
     awq_maker,
     awq_weights,
     bf16_maker,
@@ -53,12 +53,13 @@ from bench_cuda import (  # noqa: E402
 from forge import runtime  # noqa: E402
 
 
-def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool, reps: int) -> None:
-    """Prints the rows of one weight shape ``(K, N)``, at the group size ``bench_cuda.G``."""
-    G = bench_cuda.G
-    w, _, (qw, qz, sc) = awq_weights(k, n)
-    deq = forge.dequantize_awq(qw, qz, sc, G).double()
-    tiny = tinygemm_weights(qw, qz, sc) if tiled and peers else None
+def time_shape(
+    tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool, reps: int, group: int
+) -> None:
+    """Prints the rows of one weight shape ``(K, N)`` at the group size ``group``."""
+    w, _, (qw, qz, sc) = awq_weights(k, n, group=group)
+    deq = forge.dequantize_awq(qw, qz, sc, group).double()
+    tiny = tinygemm_weights(qw, qz, sc, group) if tiled and peers else None
 
     def best(fn) -> float:
         return min(fn() for _ in range(reps)) * 1e6
@@ -67,7 +68,11 @@ def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cache: dict = {}
-        y = runtime.awq_linear(x, qw, qz, sc, G, cache=cache) if tiled else forge.awq_matmul(x, qw, qz, sc, G)
+        y = (
+            runtime.awq_linear(x, qw, qz, sc, group, cache=cache)
+            if tiled
+            else forge.awq_matmul(x, qw, qz, sc, group)
+        )
         if tiled and "tiled" not in cache:
             raise SystemExit(f"the tiled GEMV does not take M = {m} at {k}x{n}")
         ref = x.double() @ deq.t()
@@ -78,20 +83,20 @@ def time_shape(tag: str, k: int, n: int, ms: list[int], tiled: bool, peers: bool
             "k": k,
             "n": n,
             "m": m,
-            "g": G,
+            "g": group,
             "err_tol": float(((y.double() - ref).abs() / tol).max()),
             "ysum": float(y.double().sum()),
             # the plan's split-K workspace (0: K not split, or split within a cluster)
-            "workspace_bytes": forge._native.w4a16_workspace_bytes(x.device.index or 0, m, n, k, G),
+            "workspace_bytes": forge._native.w4a16_workspace_bytes(x.device.index or 0, m, n, k, group),
             # the kernel, grid and K splits launched (None from wheels older than the query)
-            "plan": plan(x.device.index or 0, True, m, n, k, G) if plan else None,
+            "plan": plan(x.device.index or 0, True, m, n, k, group) if plan else None,
         }
 
-        contestants = {"": awq_maker(qw, qz, sc, tiled)}
+        contestants = {"": awq_maker(qw, qz, sc, tiled, group)}
         if peers:
             contestants["bf16_"] = bf16_maker(w)
         if tiny is not None:
-            contestants["tinygemm_"] = tinygemm_maker(tiny)
+            contestants["tinygemm_"] = tinygemm_maker(tiny, group)
         for name, (make, nb) in contestants.items():
             call = make(0)
             row[f"{name}warm_us"] = best(lambda x=x, call=call: graph_time(lambda: call(x)))
@@ -111,9 +116,7 @@ def main() -> None:
         action="store_true",
         help="also time bf16 cuBLAS (with --tiled: and tinygemm) on the same weights",
     )
-    ap.add_argument(
-        "--group", type=int, default=bench_cuda.G, help="quantization group size G (default %(default)s)"
-    )
+    ap.add_argument("--group", type=int, default=G, help="quantization group size G (default %(default)s)")
     ap.add_argument("--reps", type=int, default=2, help="measurements per time (the lowest is kept)")
     ap.add_argument(
         "--shapes",
@@ -123,12 +126,11 @@ def main() -> None:
         + ")",
     )
     args = ap.parse_args()
-    bench_cuda.G = args.group  # read by the weight makers and the peers' packing
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     torch.manual_seed(0)
     for k, n in shapes:
-        time_shape(args.tag, k, n, ms, args.tiled, args.peers, args.reps)
+        time_shape(args.tag, k, n, ms, args.tiled, args.peers, args.reps, args.group)
         torch.cuda.empty_cache()
 
 

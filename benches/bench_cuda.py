@@ -102,16 +102,16 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / t
 
 
-def awq_weights(k: int, n: int, dtype=torch.bfloat16):
+def awq_weights(k: int, n: int, dtype=torch.bfloat16, group: int = G):
     w = torch.randn(n, k, device="cuda", dtype=dtype) * 0.02
-    qmeta, _, _ = forge.build_quant_grid(w, G, 4, False, "range")
-    return w, qmeta, forge.quantize_pack_awq(w, qmeta, G)
+    qmeta, _, _ = forge.build_quant_grid(w, group, 4, False, "range")
+    return w, qmeta, forge.quantize_pack_awq(w, qmeta, group)
 
 
-def tinygemm_weights(qw, qz, sc):
+def tinygemm_weights(qw, qz, sc, group: int = G):
     """PyTorch's int4 tinygemm packing of the same 4-bit AWQ weights: (int4pack, scales and
     zeros (K/G, N, 2)) for ``torch.ops.aten._weight_int4pack_mm``."""
-    codes, zeros = forge.unpack_awq(qw, qz, G)  # (K, N), (K/G, N) uint8
+    codes, zeros = forge.unpack_awq(qw, qz, group)  # (K, N), (K/G, N) uint8
     codes = codes.t().contiguous()  # (N, K)
     w_int4 = torch.ops.aten._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), 8)
     s = sc.to(torch.bfloat16)
@@ -131,17 +131,17 @@ def bf16_maker(w):
     return make, tensor_bytes(w)
 
 
-def tinygemm_maker(tiny):
+def tinygemm_maker(tiny, group: int = G):
     """PyTorch's int4 tinygemm on :func:`tinygemm_weights`' tensors."""
 
     def make(i):
         wc, szc = tiny[0].clone(), tiny[1].clone()
-        return lambda x: torch.ops.aten._weight_int4pack_mm(x, wc, G, szc)
+        return lambda x: torch.ops.aten._weight_int4pack_mm(x, wc, group, szc)
 
     return make, tensor_bytes(*tiny)
 
 
-def awq_maker(qw, qz, sc, tiled: bool = False):
+def awq_maker(qw, qz, sc, tiled: bool = False, group: int = G):
     """Ours: ``forge.awq_matmul``, or with ``tiled`` ``runtime.awq_linear`` (its decode path,
     the tile-layout copy cached at the copy's first call)."""
 
@@ -149,8 +149,8 @@ def awq_maker(qw, qz, sc, tiled: bool = False):
         c = (qw.clone(), qz.clone(), sc.clone())
         if tiled:
             cache: dict = {}
-            return lambda x: runtime.awq_linear(x, *c, G, cache=cache)
-        return lambda x: forge.awq_matmul(x, *c, G)
+            return lambda x: runtime.awq_linear(x, *c, group, cache=cache)
+        return lambda x: forge.awq_matmul(x, *c, group)
 
     return make, tensor_bytes(qw, qz, sc)
 
