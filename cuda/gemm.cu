@@ -1267,10 +1267,12 @@ template <bool BF, int NT> struct TiledWarp {
 // the registers of a fourth block an SM (README, "The tiled GEMV's registers"). The weights
 // are loaded without L1 allocation (read once; L1 holds x, which the co-resident blocks
 // share): 7168x18432 at M = 1 31.1 -> 29.1 µs, M = 16 39.2 -> 37.4 on an H100 (README,
-// "Weights past L1"). The main loop walks running pointers and, at G = 128, folds whole-group
-// rounds without counting chunks: a round of 2 chunks 210 -> 138 instructions (M <= 8), on an
-// H200 7168x18432 at M = 1 / 16 24.8 -> 21.8 / 34.0 -> 31.4 µs, six DeepSeek-V3 shapes 12-23 %
-// (M <= 8) and 8-14 % (M = 16) less time (README, "The tiled GEMV's main loop, strength-reduced").
+// "Weights past L1"). The main loop walks running pointers and, when a group is whole rounds
+// (G = 128, 256, ...), folds each group after its last round without counting chunks: a round
+// of 2 chunks 210 -> 138 instructions (M <= 8), on an H200 7168x18432 at M = 1 / 16 24.8 -> 21.8
+// / 34.0 -> 31.4 µs, six DeepSeek-V3 shapes 12-23 % (M <= 8) and 8-14 % (M = 16) less time
+// (README, "The tiled GEMV's main loop, strength-reduced"); counting the rounds of a group, not
+// only G = 128's one, left G = 128 as it was and made G = 256 4 % faster (README, session 37).
 template <bool BF, int RW, int NT>
 __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x, const uint4* __restrict__ qt,
                                                       const u32* __restrict__ qz, const u16* __restrict__ sc,
@@ -1329,17 +1331,22 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     };
     st.take_meta();
     int in_grp = 0, c = 0;
-    if (gch == RW) {
-        // A round of RW chunks is one whole group (G = 128, DeepSeek-V3's group size; n is then
-        // a multiple of RW): each round folded at its end, with no count of the group's chunks,
-        // and the last round without refills.
+    if (gch % RW == 0) {
+        // A group is gch / RW whole rounds of RW chunks (one at G = 128, DeepSeek-V3's group
+        // size; n is then a multiple of RW): folded after its last round, counting rounds, not
+        // chunks, and the last round, which ends a group, without refills.
+        const int rpg = gch / RW;
+        int r = 0;
         for (; c + 2 * RW <= n; c += RW) {
 #pragma unroll
             for (int s = 0; s < RW; s++) {
                 multiply_chunk(wr[s]);
                 refill(s);
             }
-            st.fold();
+            if (++r == rpg) {  // warp-uniform
+                r = 0;
+                st.fold();
+            }
         }
         if (c < n) {
 #pragma unroll
@@ -1425,8 +1432,8 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 // with the warps a block fitted to the tiles and SMs (ops.rs tiled_warps), up to 32: fewer
 // tiles than SMs (7168x2048) then spread a tile's groups over a whole SM's warps. 8 < M <= 16
 // (w4a16_gemv_tiled16_*): two token tiles share each A fragment, 2 chunks of weights in flight
-// (82 registers from NVRTC 13.0, 76 since the main loop's running pointers; with 3 chunks of
-// weights and x in flight, 118). H200, M = 1 / 16: 7168x18432
+// (82 registers from NVRTC 13.0, 76 since the main loop's running pointers, 78 with rounds
+// counted a group; with 3 chunks of weights and x in flight, 118). H200, M = 1 / 16: 7168x18432
 // 27.3 -> 26.9 / 37.2 -> 34.1 µs, the expert shapes -1 to +3 / 8-9 % faster (README, "The
 // tiled GEMV's registers"). Not measured on an H100, where 2 chunks of x and weights at M = 16
 // (100 registers) were slower than 3 (53 against 45.5 µs on 7168x18432).

@@ -260,9 +260,11 @@ def test_tile_awq_bit_exact(k, n):
 
 
 # (m, k, n, group): 16 warps a tile (few tiles, long K), 4 (many tiles), G 64 / 256, a warp
-# with a ragged share of groups (7 over 4 warps), the smallest N, K = 64 (one chunk).
+# with a ragged share of groups (7 over 4 warps), the smallest N, K = 64 (one chunk); G = 256 in
+# both kernels (M <= 8 and M > 8: several rounds a group).
 TILED_CASES = [(1, 7168, 2048, 128), (2, 2048, 7168, 128), (3, 1024, 544, 64), (4, 1792, 48, 256),
-               (5, 896, 16, 128), (8, 4096, 1024, 128), (7, 64, 32, 64), (6, 7168, 384, 128)]  # fmt: skip
+               (5, 896, 16, 128), (8, 4096, 1024, 128), (7, 64, 32, 64), (6, 7168, 384, 128),
+               (12, 1792, 48, 256)]  # fmt: skip
 
 
 @pytest.mark.parametrize("act", [torch.float16, torch.bfloat16])

@@ -1556,7 +1556,7 @@ fn tiled_warps(
 /// of its reduction in shared memory, emitted into the kernels' generated header. Its 64
 /// registers allow 1024 threads.
 pub(crate) const TILED_MAX_WARPS: usize = 32;
-/// The same for the M > 8 kernel (76 registers from NVRTC 13.0).
+/// The same for the M > 8 kernel (78 registers from NVRTC 13.0 for sm_90a).
 pub(crate) const TILED16_MAX_WARPS: usize = 16;
 /// A round's ramp in the time of one group a warp: from 2 to 4 the H200 sweep's picks are the
 /// same (README, "Warps a block, swept").
