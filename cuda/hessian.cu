@@ -319,8 +319,14 @@ FORGE_HESS_TC_ENTRY(bf16, true)
 #define HW_ST 4
 #define HW_HALF (HW_K * 64)                       // 16-bit elements of one 64-feature half
 #define HW_STAGE ((HW_TI + HW_TJ) / 64 * HW_HALF)  // both operands of one stage
-#define HW_SROW (HW_TJ + 8)                       // row strides of the epilogue's fp32 tile and of
-#define HW_TROW (HW_TI + 4)                       // its transpose (16-byte rows, no bank conflicts)
+// The adding epilogue's fp32 staging: a tile quarter (128 rows × 64) in rows of HW_QROW floats
+// (8-byte pairs, no bank conflicts a half-warp), a mirror quarter (64 rows × 128) in rows of
+// HW_TROW (no bank conflicts), each in one of HW_EB buffers of HW_EBUF floats in the ring.
+#define HW_QROW (64 + 8)
+#define HW_TROW (HW_TI + 4)
+#define HW_EBUF (HW_TI * HW_QROW)
+#define HW_EB 5
+static_assert(HW_EB * HW_EBUF * 4 <= HW_ST * HW_STAGE * 2 && 64 * HW_TROW <= HW_EBUF, "epilogue buffers");
 #define HW_GI 8                                    // the walk's groups: 8 i-blocks × 4 j-blocks
 #define HW_GJ 4
 
@@ -558,59 +564,82 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
         return;
     }
 
-    // The epilogue adds the tile to H in L2 (bulk reductions from shared memory: the SM does
-    // not wait on H's 512 KB of read-modify-write, which bounded tiles of a few thousand rows):
-    // first alpha · tile, a row of H per op from column max(j0, i) (down to a multiple of 4),
-    // then its mirror, alpha · tileᵀ, row j of H from column i0 to j (up to a multiple of 4).
-    // The elements of the ops' edge vectors on the other side of the diagonal are staged as
-    // zeros (adding 0 changes nothing, and the adds are atomic where a neighbour tile owns
-    // them), so H stays exactly symmetric. The transposed staging is conflict-free, the other
-    // 2-way.
+    // The epilogue adds the tile to H in L2 by bulk reductions from shared memory (the SM does
+    // not wait on H's 512 KB of read-modify-write, which bounded tiles of a few thousand rows),
+    // in up to 8 pieces: alpha · the tile's four 64-column quarters (128 rows of H each, a row
+    // from column max(j0 + 64Q, i) down to a multiple of 4), then alpha · its mirror's four
+    // quarters (64 rows j of H each, from column i0 to j up to a multiple of 4). The pieces are
+    // staged in turn into a ring of HW_EB buffers, so that staging one overlaps the bulk reads of
+    // the ones before it; a buffer is restaged once its previous piece's reads are done. The
+    // elements of the ops' edge vectors on the other side of the diagonal are staged as zeros
+    // (adding 0 changes nothing, and the adds are atomic where a neighbour tile owns them), so H
+    // stays exactly symmetric. Quarters with nothing to add (past D, or wholly on the other side
+    // of the diagonal) are skipped. Staged whole and reduced in two passes, the tile then its
+    // mirror, each pass waiting for its reads, 64 experts of D = 7168 at 32768×8 routed rows took
+    // 27.9-28.6 ms on an H200, pipelined 26.9-27.9 (131072×8: 97.9-99.0 → 94.9-97.7; README,
+    // session 38). The producer is done: the named barrier 1 counts the two consumers' threads.
+    if (wg >= 2) return;
     float* S = reinterpret_cast<float*>(base);
-    auto stage = [&](bool mirror) {
-        if (wg >= 2) return;
-        each_pair([&](int r, int q, float v0, float v1) {
-            if (mirror) {
-                S[q * HW_TROW + r] = i0 + r < j0 + q ? v0 : 0.0f;
-                S[(q + 1) * HW_TROW + r] = i0 + r < j0 + q + 1 ? v1 : 0.0f;
-            } else {
-                S[r * HW_SROW + q] = i0 + r <= j0 + q ? v0 : 0.0f;
-                S[r * HW_SROW + q + 1] = i0 + r <= j0 + q + 1 ? v1 : 0.0f;
-            }
-        });
-    };
-    auto reduce_rows = [&](bool mirror) {
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the staging → the bulk reads
-        __syncthreads();
-        if (tid < (mirror ? HW_TJ : HW_TI)) {
-            int row, c0, c1;  // H row, columns [c0, c1)
-            u32 src;
-            if (mirror) {
-                row = j0 + tid;
-                c0 = i0;
-                c1 = min(i0 + HW_TI, (row + 3) & ~3);
-                src = sbase + tid * HW_TROW * 4;
-            } else {
-                row = i0 + tid;
-                c0 = max(j0, row & ~3);
-                c1 = min(j0 + HW_TJ, D);
-                src = sbase + (tid * HW_SROW + c0 - j0) * 4;
-            }
-            if (row < D && c1 > c0) {
-                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
-                                 He + (i64)row * D + c0),
-                             "r"(src), "r"((c1 - c0) * 4)
-                             : "memory");
-            }
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    const int w4 = (tid >> 5) & 3, gq = lane >> 2, t4 = lane & 3;
+    int put = 0;  // pieces staged so far (the same in every thread)
+#pragma unroll
+    for (int piece = 0; piece < 8; piece++) {
+        const bool mirror = piece >= 4;
+        const int Q = piece & 3, q0 = 64 * Q;  // the tile's columns q0 .. q0 + 63
+        if (j0 + q0 >= D) continue;
+        // The tile needs i <= j, its mirror i < j, for some row i0 + r and column j0 + q.
+        if (mirror ? j0 + q0 + 63 <= i0 : j0 + q0 + 63 < i0) continue;
+        float* Sb = S + (put % HW_EB) * HW_EBUF;
+        if (put >= HW_EB) {
+            asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(HW_EB - 1) : "memory");
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");
         }
-        __syncthreads();
-    };
-    stage(false);
-    reduce_rows(false);
-    stage(true);
-    reduce_rows(true);
+        // each_pair's elements of quarter Q (hi = Q / 2, j = 8(Q % 2) .. + 7), written out:
+        // through each_pair with a quarter's bounds, or with w4, gq and t4 shared with it, ptxas
+        // gave the kernel other SASS than the measured (168 registers, not 166).
+        const int hi = Q >> 1;
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int j = 8 * (Q & 1) + jj;
+                const int r = wg * 64 + w4 * 16 + gq + 8 * h, q = hi * 128 + j * 8 + 2 * t4;
+                const float v0 = alpha * (hi ? d1 : d0)[4 * j + 2 * h], v1 = alpha * (hi ? d1 : d0)[4 * j + 2 * h + 1];
+                if (mirror) {
+                    Sb[(q - q0) * HW_TROW + r] = i0 + r < j0 + q ? v0 : 0.0f;
+                    Sb[(q + 1 - q0) * HW_TROW + r] = i0 + r < j0 + q + 1 ? v1 : 0.0f;
+                } else {
+                    *reinterpret_cast<float2*>(Sb + r * HW_QROW + q - q0) =
+                        make_float2(i0 + r <= j0 + q ? v0 : 0.0f, i0 + r <= j0 + q + 1 ? v1 : 0.0f);
+                }
+            }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the staging → the bulk reads
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        // The issuing threads alternate between the warpgroups from piece to piece.
+        const int u = (tid + 128 * (put & 1)) & 255;
+        int row = D, c0 = 0, c1 = 0;  // H row, columns [c0, c1)
+        u32 src = 0;
+        if (mirror && u < 64) {
+            row = j0 + q0 + u;
+            c0 = i0;
+            c1 = min(i0 + HW_TI, (row + 3) & ~3);
+            src = smem_u32(Sb + u * HW_TROW);
+        } else if (!mirror && u < HW_TI) {
+            row = i0 + u;
+            c0 = max(j0 + q0, row & ~3);
+            c1 = min(j0 + q0 + 64, D);
+            src = smem_u32(Sb + u * HW_QROW + c0 - j0 - q0);
+        }
+        if (row < D && c1 > c0) {
+            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                             He + (i64)row * D + c0),
+                         "r"(src), "r"((c1 - c0) * 4)
+                         : "memory");
+        }
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        put++;
+    }
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
 }
 
