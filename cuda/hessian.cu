@@ -527,17 +527,20 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
 
     // Accumulator elements 4j + 2h and 4j + 2h + 1 of a consumer thread (warp w of its
     // warpgroup, lane l): tile row 64·wg + 16w + l/4 + 8h, columns q and q + 1 with
-    // q = 128·hi + 8j + 2(l % 4) (hi: d1 rather than d0); f(row, q, alpha times both).
-    auto each_pair = [&](auto f) {
+    // q = 128·hi + 8j + 2(l % 4) (hi: d1 rather than d0); pair calls f(row, q, alpha times
+    // both) for one of them, each_pair for all.
+    auto pair = [&](int hi, int j, int h, auto f) {
         const int w4 = (tid >> 5) & 3, gq = lane >> 2, t4 = lane & 3;
+        f(wg * 64 + w4 * 16 + gq + 8 * h, hi * 128 + j * 8 + 2 * t4, alpha * (hi ? d1 : d0)[4 * j + 2 * h],
+          alpha * (hi ? d1 : d0)[4 * j + 2 * h + 1]);
+    };
+    auto each_pair = [&](auto f) {
 #pragma unroll
         for (int hi = 0; hi < 2; hi++)
 #pragma unroll
             for (int j = 0; j < 16; j++)
 #pragma unroll
-                for (int h = 0; h < 2; h++)
-                    f(wg * 64 + w4 * 16 + gq + 8 * h, hi * 128 + j * 8 + 2 * t4, alpha * (hi ? d1 : d0)[4 * j + 2 * h],
-                      alpha * (hi ? d1 : d0)[4 * j + 2 * h + 1]);
+                for (int h = 0; h < 2; h++) pair(hi, j, h, f);
     };
 
     if (overwrite) {
@@ -577,10 +580,11 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
     // of the diagonal) are skipped. Staged whole and reduced in two passes, the tile then its
     // mirror, each pass waiting for its reads, 64 experts of D = 7168 at 32768×8 routed rows took
     // 27.9-28.6 ms on an H200, pipelined 26.9-27.9 (131072×8: 97.9-99.0 → 94.9-97.7; README,
-    // session 38). The producer is done: the named barrier 1 counts the two consumers' threads.
+    // session 38; with the pairs' formula shared with each_pair, 168 registers instead of 166:
+    // adding the same within the spread, fresh products 1 % slower). The producer is done: the
+    // named barrier 1 counts the two consumers' threads.
     if (wg >= 2) return;
     float* S = reinterpret_cast<float*>(base);
-    const int w4 = (tid >> 5) & 3, gq = lane >> 2, t4 = lane & 3;
     int put = 0;  // pieces staged so far (the same in every thread)
 #pragma unroll
     for (int piece = 0; piece < 8; piece++) {
@@ -594,25 +598,20 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
             asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(HW_EB - 1) : "memory");
             asm volatile("bar.sync 1, 256;\n" ::: "memory");
         }
-        // each_pair's elements of quarter Q (hi = Q / 2, j = 8(Q % 2) .. + 7), written out:
-        // through each_pair with a quarter's bounds, or with w4, gq and t4 shared with it, ptxas
-        // gave the kernel other SASS than the measured (168 registers, not 166).
-        const int hi = Q >> 1;
+        // The pairs of quarter Q: hi = Q / 2, j = 8(Q % 2) .. + 7.
 #pragma unroll
         for (int jj = 0; jj < 8; jj++)
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int j = 8 * (Q & 1) + jj;
-                const int r = wg * 64 + w4 * 16 + gq + 8 * h, q = hi * 128 + j * 8 + 2 * t4;
-                const float v0 = alpha * (hi ? d1 : d0)[4 * j + 2 * h], v1 = alpha * (hi ? d1 : d0)[4 * j + 2 * h + 1];
-                if (mirror) {
-                    Sb[(q - q0) * HW_TROW + r] = i0 + r < j0 + q ? v0 : 0.0f;
-                    Sb[(q + 1 - q0) * HW_TROW + r] = i0 + r < j0 + q + 1 ? v1 : 0.0f;
-                } else {
-                    *reinterpret_cast<float2*>(Sb + r * HW_QROW + q - q0) =
-                        make_float2(i0 + r <= j0 + q ? v0 : 0.0f, i0 + r <= j0 + q + 1 ? v1 : 0.0f);
-                }
-            }
+            for (int h = 0; h < 2; h++)
+                pair(Q >> 1, 8 * (Q & 1) + jj, h, [&](int r, int q, float v0, float v1) {
+                    if (mirror) {
+                        Sb[(q - q0) * HW_TROW + r] = i0 + r < j0 + q ? v0 : 0.0f;
+                        Sb[(q + 1 - q0) * HW_TROW + r] = i0 + r < j0 + q + 1 ? v1 : 0.0f;
+                    } else {
+                        *reinterpret_cast<float2*>(Sb + r * HW_QROW + q - q0) =
+                            make_float2(i0 + r <= j0 + q ? v0 : 0.0f, i0 + r <= j0 + q + 1 ? v1 : 0.0f);
+                    }
+                });
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the staging → the bulk reads
         asm volatile("bar.sync 1, 256;\n" ::: "memory");
         // The issuing threads alternate between the warpgroups from piece to piece.
