@@ -2334,8 +2334,8 @@ pub(crate) const HESSIAN_TC_SMEM: u32 = 128 * 129 * 4;
 
 /// Shared memory of `hessian_wg_<dt>` (Hopper): 4 stages of 64 rows × (128 + 256) 16-bit
 /// features (more than the adding epilogue's five fp32 staging buffers of 128 × 72, which reuse
-/// them) and their 8 mbarriers, plus 1 KB to start them on a 1024-byte boundary (where the MMA's 128-byte
-/// swizzle pattern repeats).
+/// them) and their 8 mbarriers, plus 1 KB to start them on a 1024-byte boundary (where the
+/// MMA's 128-byte swizzle pattern repeats).
 pub(crate) const HESSIAN_WG_SMEM: u32 = 4 * 64 * (128 + 256) * 2 + 8 * 8 + 1024;
 
 /// Tiles of `tile × tile` on or above the diagonal of a `d × d` Hessian (`hessian_accum` and
