@@ -239,7 +239,8 @@ FORGE_GEMM_ENTRY(bf16, 4, true)
 // 4j + 2h and 4j + 2h + 1 of that column (both warpgroups read each word), and the
 // dequantization (dq2) is the tiled kernel's. K moves 64 at a time
 // through a WG_ST-stage cp.async pipeline; each 16-deep step is one MMA group, and three stay in
-// flight while the next steps' fragments are dequantized (four register buffers). Needs N % 128 == 0,
+// flight while the next steps' fragments are dequantized (four register buffers; the 32-token
+// tile takes its steps in pairs, a group each, one in flight). Needs N % 128 == 0,
 // K % 64 == 0 and G % 64 == 0 (ops.rs routes other shapes to the tiled kernel). Split-K as there.
 #define WG_BK 64
 #define WG_ST 4
@@ -448,13 +449,31 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
                 const u32 v = (r < 2 ? v01 : v89) >> (4 * (r & 1));
                 ab[r] = dq2<BF>(and_or(v, 0x000F000Fu, MAGIC), zm[r & 1], s2[r & 1]);
             }
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            wgmma_rs_m64k16<BF, TN>(acc, ab, xd + 2 * kk);
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            // The group of three steps ago, which read the next buffer, is done: only now may
-            // those registers be reused (the fence keeps them live until here).
-            asm volatile("wgmma.wait_group.sync.aligned 3;\n" ::: "memory");
-            wg_keep(a[(kk + 1) & 3]);
+            if constexpr (TN == 32) {
+                // Steps in pairs: one fence for two steps' fragments, their MMAs one group, the
+                // group before it (which read the next two buffers) waited for. The short
+                // m64n32 MMAs leave the per-group fence, commit and wait exposed: on an H200 M =
+                // 24 / 32 2-5 % faster on four DeepSeek-V3 shapes, outputs identical. Pairs lost
+                // 0-2 % at 16 tokens and 2-6 % at 64 and 128, and a fence a whole stage (waited
+                // at once) lost everywhere (README, "One fence a pair of steps").
+                if (kk & 1) {
+                    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+                    wgmma_rs_m64k16<BF, TN>(acc, a[kk - 1], xd + 2 * (kk - 1));
+                    wgmma_rs_m64k16<BF, TN>(acc, ab, xd + 2 * kk);
+                    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                    wg_keep(a[(kk + 1) & 3]);
+                    wg_keep(a[(kk + 2) & 3]);
+                }
+            } else {
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+                wgmma_rs_m64k16<BF, TN>(acc, ab, xd + 2 * kk);
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                // The group of three steps ago, which read the next buffer, is done: only now
+                // may those registers be reused (the fence keeps them live until here).
+                asm volatile("wgmma.wait_group.sync.aligned 3;\n" ::: "memory");
+                wg_keep(a[(kk + 1) & 3]);
+            }
         }
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
