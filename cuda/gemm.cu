@@ -449,30 +449,23 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
                 const u32 v = (r < 2 ? v01 : v89) >> (4 * (r & 1));
                 ab[r] = dq2<BF>(and_or(v, 0x000F000Fu, MAGIC), zm[r & 1], s2[r & 1]);
             }
-            if constexpr (TN == 32) {
-                // Steps in pairs: one fence for two steps' fragments, their MMAs one group, the
-                // group before it (which read the next two buffers) waited for. The short
-                // m64n32 MMAs leave the per-group fence, commit and wait exposed: on an H200 M =
-                // 24 / 32 2-5 % faster on four DeepSeek-V3 shapes, outputs identical. Pairs lost
-                // 0-2 % at 16 tokens and 2-6 % at 64 and 128, and a fence a whole stage (waited
-                // at once) lost everywhere (README, "One fence a pair of steps").
-                if (kk & 1) {
-                    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-                    wgmma_rs_m64k16<BF, TN>(acc, a[kk - 1], xd + 2 * (kk - 1));
-                    wgmma_rs_m64k16<BF, TN>(acc, ab, xd + 2 * kk);
-                    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-                    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                    wg_keep(a[(kk + 1) & 3]);
-                    wg_keep(a[(kk + 2) & 3]);
-                }
-            } else {
+            // SPG steps an MMA group: one fence for their fragments, their MMAs, one commit, and
+            // a wait for the group that read the next SPG buffers (4 / SPG - 1 groups stay in
+            // flight); only then may those registers be reused (the fence keeps them live until
+            // here). The 32-token tile takes its steps in pairs: its short m64n32 MMAs leave the
+            // per-group fence, commit and wait exposed, and on an H200 M = 24 / 32 ran 2-5 %
+            // faster on four DeepSeek-V3 shapes, outputs identical; pairs lost 0-2 % at 16 tokens
+            // and 2-6 % at 64 and 128, and a whole stage a group (waited at once) lost everywhere
+            // (README, "One fence a pair of steps").
+            constexpr int SPG = TN == 32 ? 2 : 1;
+            if (kk % SPG == SPG - 1) {
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-                wgmma_rs_m64k16<BF, TN>(acc, ab, xd + 2 * kk);
+#pragma unroll
+                for (int i = kk + 1 - SPG; i <= kk; i++) wgmma_rs_m64k16<BF, TN>(acc, a[i], xd + 2 * i);
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-                // The group of three steps ago, which read the next buffer, is done: only now
-                // may those registers be reused (the fence keeps them live until here).
-                asm volatile("wgmma.wait_group.sync.aligned 3;\n" ::: "memory");
-                wg_keep(a[(kk + 1) & 3]);
+                asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(4 / SPG - 1) : "memory");
+#pragma unroll
+                for (int i = 1; i <= SPG; i++) wg_keep(a[(kk + i) & 3]);
             }
         }
     }
