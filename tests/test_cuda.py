@@ -134,16 +134,16 @@ def test_block_scaled_fp8_bit_exact(k, n, group, signs):
         forge.quantize_pack_awq(w8.cuda(), qmeta.cuda(), group, scale_inv=s.cuda())
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_scale", [None, 0.5])
+@pytest.mark.parametrize(
+    "dtype,block_scale",
+    [(dt, None) for dt in DTYPES] + [(torch.float8_e4m3fn, 0.5)],  # block scales: FP8's
+)
 def test_quantize_pack_rounding_edges(dtype, block_scale):
     """The fused pack's rounding where it can go wrong: arguments x·inv + z exactly half-way
     between two codes (ties to even), just either side of the halves, far outside the grid
     (clamped to 0 and 15, huge magnitudes included) and signed zeros, on a grid of scale 1/8 and
     zero point 8 (so 1/scale = 8 exactly). The codes must be clamp(round_half_even(fl(fl(x·inv) +
     z)), 0, 15), as a float32 PyTorch formula gives them, and equal the CPU's."""
-    if block_scale is not None and dtype != torch.float8_e4m3fn:
-        pytest.skip("block scales are FP8's")
     n, k, group = 64, 512, 128
     # x·8 + 8 = c + 1/2 (c = -4 .. 19), x = the weight times its block scale
     halves = [(2 * c - 15) / 16 / (block_scale or 1.0) for c in range(-4, 20)]
@@ -160,8 +160,8 @@ def test_quantize_pack_rounding_edges(dtype, block_scale):
     qmeta = forge.encode_qmeta(
         torch.full((n, k // group), 0.125), torch.full((n, k // group), 8, dtype=torch.uint8), False
     )
-    s = None if block_scale is None else torch.full((1, k // 128), block_scale)  # one 128-row block
-    x = w.float() if s is None else w.float() * block_scale
+    s = None if block_scale is None else torch.full((-(-n // 128), k // 128), block_scale)
+    x = w.float() * (block_scale or 1.0)  # the dequantized weight (exact: a power of two)
     want = torch.round(x * 8.0 + 8.0).clamp(0, 15).to(torch.uint8).T  # (K, N); x·8 exact, one rounding
     cpu = forge.quantize_pack_awq(w, qmeta, group, scale_inv=s)
     gpu = forge.quantize_pack_awq(w.cuda(), qmeta.cuda(), group, scale_inv=None if s is None else s.cuda())
