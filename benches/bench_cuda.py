@@ -619,6 +619,15 @@ def bench_hessian(rows):
 
         peer = lambda: loop(lambda xe: torch.mm(xe.t(), xe, out_dtype=torch.float32))  # noqa: E731
         t_peer = cuda_time(peer, reps=3, warmup=1)
+        # The adding mode's like-for-like peer: the same loop adding each expert's product into
+        # its Hessian in place (cuBLAS addmm, beta = 1, fp32 out), as a run that accumulates
+        # chunk by chunk would have to. Checked against forge's adding mode on zeroed Hessians.
+        add_peer = adding_peer(h, x, tok, cl)
+        e0 = int(counts.argmax())
+        h.zero_()
+        add_peer()
+        peer_add_e0 = h[e0].clone()
+        t_peer_add = cuda_time(add_peer, reps=3, warmup=1)
         t_gram = cuda_time(lambda: loop(gram), reps=3, warmup=1)
         # Accumulating, as dense above (zeroing 64 Hessians of 7168² is 4 ms on its own); the
         # offsets and the indices' range are checked on every call (two host syncs), the
@@ -645,10 +654,13 @@ def bench_hessian(rows):
             reps=3,
             warmup=1,
         )
-        e0 = int(counts.argmax())
         xe = x[tok[int(counts[:e0].sum()) : int(counts[: e0 + 1].sum())]]
         ref = xe.double().T @ xe.double()
         err = rel_err(ours()[e0], ref)
+        # Both added into zeros: the accumulating peer's largest expert against forge's.
+        peer_add_vs_ours = rel_err(peer_add_e0, h[e0])
+        peer_add_err = rel_err(peer_add_e0, ref)
+        del peer_add_e0
         err_peer = rel_err(torch.mm(xe.t(), xe, out_dtype=torch.float32), ref)
         rows.add(
             "hessian_experts",
@@ -660,11 +672,50 @@ def bench_hessian(rows):
             with_finite_check_us=t_checked * 1e6,
             overwrite_us=t_fresh * 1e6,
             overwrite_ratio=t_peer / t_fresh,
+            adding_peer_us=t_peer_add * 1e6,
+            adding_ratio=t_peer_add / t_ours,
+            adding_peer_form=add_peer.form,
+            adding_peer_vs_ours=peer_add_vs_ours,
+            adding_peer_rel_err_vs_f64=peer_add_err,
             tflops=2 * t * top_k * d * d / t_ours / 1e12,
             rel_err_vs_f64=err,
             peer_rel_err_vs_f64=err_peer,
         )
         del x, h
+
+
+def adding_peer(h, x, tok, counts):
+    """A torch loop over experts that adds each gathered product ``xeᵀ·xe`` into its Hessian
+    ``h[e]`` in place: ``torch.addmm(h[e], xeᵀ, xe, out_dtype=float32, out=h[e])`` (cuBLAS
+    reads C and writes it, beta = 1), or where this torch lacks that form, ``h[e] +=
+    mm(out_dtype=float32)``. The returned call's ``form`` says which."""
+
+    def run(step):
+        xs = x[tok]
+        start = 0
+        for i, c in enumerate(counts):
+            xe = xs[start : start + c]
+            step(h[i], xe)
+            start += c
+
+    def addmm(he, xe):
+        torch.addmm(he, xe.t(), xe, out_dtype=torch.float32, out=he)
+
+    def add_mm(he, xe):
+        he += torch.mm(xe.t(), xe, out_dtype=torch.float32)
+
+    probe_h = torch.zeros(8, 8, device=h.device)
+    probe_x = torch.ones(4, 8, device=h.device, dtype=x.dtype)
+    try:
+        addmm(probe_h, probe_x)
+        addmm(probe_h, probe_x)
+        ok = bool((probe_h == 8.0).all())
+    except (RuntimeError, TypeError):
+        ok = False
+    step, form = (addmm, "addmm out_dtype=f32 out=H") if ok else (add_mm, "H += mm out_dtype=f32")
+    call = functools.partial(run, step)
+    call.form = form
+    return call
 
 
 def print_row(r):
@@ -691,6 +742,8 @@ def print_row(r):
         extra += f" {r['tflops']:.1f} TFLOP/s"
     if "overwrite_us" in r:
         extra += f"  | fresh (overwrite) {r['overwrite_us']:.0f}us x{r['overwrite_ratio']:.2f}"
+    if "adding_peer_us" in r:
+        extra += f"  | adding vs {r['adding_peer_form']} {r['adding_peer_us']:.0f}us x{r['adding_ratio']:.2f}"
     if "hessian_update_us" in r:
         extra += f"  (forge.hessian_update {r['hessian_update_us']:.1f}us)"
     if "block_kernel_ms" in r:
