@@ -527,8 +527,9 @@ def bench_hessian(rows):
     for o_proj's input (D=16384); per-expert Hessians of a layer's routed tokens in ONE
     ``forge.hessian_update_segmented`` launch (rows read by index, no gathered copy), adding
     into existing Hessians and (``overwrite``) writing fresh ones as the peer does, against a
-    torch loop over experts of gather + ``mm(out_dtype=float32)`` (and the run's own per-expert
-    :func:`forge.calibrate.gram` loop); ``gram`` alone against one cuBLAS product at the row
+    torch loop over experts of gather + ``mm(out_dtype=float32)``, the same loop adding into the
+    Hessians with ``addmm`` (the adding mode's like-for-like peer), and the run's own per-expert
+    :func:`forge.calibrate.gram` loop; ``gram`` alone against one cuBLAS product at the row
     counts an expert's chunk has. Errors: max |H − H64| / max |H64| against float64 (the
     largest expert for the segmented rows)."""
     from forge.calibrate import gram
@@ -606,10 +607,11 @@ def bench_hessian(rows):
         h = torch.empty(e, d, d, device="cuda")
 
         def loop(per_expert, x=x, tok=tok, cl=cl):
+            """``per_expert(e, xe)`` for each expert ``e`` and its gathered rows ``xe``."""
             xs = x[tok]
             out, start = [], 0
-            for c in cl:
-                out.append(per_expert(xs[start : start + c]))
+            for i, c in enumerate(cl):
+                out.append(per_expert(i, xs[start : start + c]))
                 start += c
             return out
 
@@ -617,18 +619,20 @@ def bench_hessian(rows):
             h.zero_()
             return forge.hessian_update_segmented(h, x, tok32, offsets, 1.0)
 
-        peer = lambda: loop(lambda xe: torch.mm(xe.t(), xe, out_dtype=torch.float32))  # noqa: E731
+        peer = lambda: loop(lambda _, xe: torch.mm(xe.t(), xe, out_dtype=torch.float32))  # noqa: E731
         t_peer = cuda_time(peer, reps=3, warmup=1)
         # The adding mode's like-for-like peer: the same loop adding each expert's product into
         # its Hessian in place (cuBLAS addmm, beta = 1, fp32 out), as a run that accumulates
         # chunk by chunk would have to. Checked against forge's adding mode on zeroed Hessians.
-        add_peer = adding_peer(h, x, tok, cl)
+        add_peer = lambda h=h: loop(  # noqa: E731
+            lambda i, xe: torch.addmm(h[i], xe.t(), xe, out_dtype=torch.float32, out=h[i])
+        )
         e0 = int(counts.argmax())
         h.zero_()
         add_peer()
         peer_add_e0 = h[e0].clone()
-        t_peer_add = cuda_time(add_peer, reps=3, warmup=1)
-        t_gram = cuda_time(lambda: loop(gram), reps=3, warmup=1)
+        t_peer_add = cuda_time(add_peer, reps=3, warmup=0)  # the checked call above warmed it
+        t_gram = cuda_time(lambda: loop(lambda _, xe: gram(xe)), reps=3, warmup=1)
         # Accumulating, as dense above (zeroing 64 Hessians of 7168² is 4 ms on its own); the
         # offsets and the indices' range are checked on every call (two host syncs), the
         # NaN/Inf pass over all of x only by default (timed apart: the run checks otherwise).
@@ -674,7 +678,6 @@ def bench_hessian(rows):
             overwrite_ratio=t_peer / t_fresh,
             adding_peer_us=t_peer_add * 1e6,
             adding_ratio=t_peer_add / t_ours,
-            adding_peer_form=add_peer.form,
             adding_peer_vs_ours=peer_add_vs_ours,
             adding_peer_rel_err_vs_f64=peer_add_err,
             tflops=2 * t * top_k * d * d / t_ours / 1e12,
@@ -682,40 +685,6 @@ def bench_hessian(rows):
             peer_rel_err_vs_f64=err_peer,
         )
         del x, h
-
-
-def adding_peer(h, x, tok, counts):
-    """A torch loop over experts that adds each gathered product ``xeᵀ·xe`` into its Hessian
-    ``h[e]`` in place: ``torch.addmm(h[e], xeᵀ, xe, out_dtype=float32, out=h[e])`` (cuBLAS
-    reads C and writes it, beta = 1), or where this torch lacks that form, ``h[e] +=
-    mm(out_dtype=float32)``. The returned call's ``form`` says which."""
-
-    def run(step):
-        xs = x[tok]
-        start = 0
-        for i, c in enumerate(counts):
-            xe = xs[start : start + c]
-            step(h[i], xe)
-            start += c
-
-    def addmm(he, xe):
-        torch.addmm(he, xe.t(), xe, out_dtype=torch.float32, out=he)
-
-    def add_mm(he, xe):
-        he += torch.mm(xe.t(), xe, out_dtype=torch.float32)
-
-    probe_h = torch.zeros(8, 8, device=h.device)
-    probe_x = torch.ones(4, 8, device=h.device, dtype=x.dtype)
-    try:
-        addmm(probe_h, probe_x)
-        addmm(probe_h, probe_x)
-        ok = bool((probe_h == 8.0).all())
-    except (RuntimeError, TypeError):
-        ok = False
-    step, form = (addmm, "addmm out_dtype=f32 out=H") if ok else (add_mm, "H += mm out_dtype=f32")
-    call = functools.partial(run, step)
-    call.form = form
-    return call
 
 
 def print_row(r):
@@ -743,7 +712,7 @@ def print_row(r):
     if "overwrite_us" in r:
         extra += f"  | fresh (overwrite) {r['overwrite_us']:.0f}us x{r['overwrite_ratio']:.2f}"
     if "adding_peer_us" in r:
-        extra += f"  | adding vs {r['adding_peer_form']} {r['adding_peer_us']:.0f}us x{r['adding_ratio']:.2f}"
+        extra += f"  | adding vs addmm loop {r['adding_peer_us']:.0f}us x{r['adding_ratio']:.2f}"
     if "hessian_update_us" in r:
         extra += f"  (forge.hessian_update {r['hessian_update_us']:.1f}us)"
     if "block_kernel_ms" in r:
