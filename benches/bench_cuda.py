@@ -1,6 +1,7 @@
 """GPU benchmark of the CUDA kernels against peers run in the same process (ratios).
 
     python benches/bench_cuda.py [--json out.json] [--only gemm,pack,grid,mse,gptq,prep,hessian]
+                                 [--gpu-gib 79.1]  (an 80 GB card's memory on a larger one)
 
 Peers: bf16 ``X @ W.T`` (cuBLAS) and ``torch.ops.aten._weight_int4pack_mm`` (PyTorch's
 int4 "tinygemm") for the W4A16 GEMM; a device-to-device copy for the fused AWQ
@@ -19,6 +20,7 @@ import itertools
 import json
 import math
 
+import gpu_budget
 import torch
 
 import forge
@@ -739,16 +741,18 @@ def main() -> None:
     ap.add_argument(
         "--batch", type=int, default=None, help="experts per batched GPTQ call (default: 64, or what fits)"
     )
+    gpu_budget.add_argument(ap)
     args = ap.parse_args()
     st = forge.cuda_status()
     print(st)
     if not st["available"]:
         raise SystemExit(f"CUDA not available: {st['reason']}")
+    gpu_budget.hold_beyond(args.gpu_gib)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, d2d copy {bw / 1e12:.2f} TB/s (read + write)")
-    rows = Rows(args.json, dict(device=torch.cuda.get_device_name(), copy_bw=bw))
+    rows = Rows(args.json, dict(device=torch.cuda.get_device_name(), copy_bw=bw, gpu_budget_gib=args.gpu_gib))
     only = set(args.only.split(","))
     if "gemm" in only:
         bench_gemm(rows, bw)

@@ -16,6 +16,7 @@ The routing is skewed on purpose (``e_score_correction_bias`` drawn from a norma
 ``--skew`` standard deviation), so experts see uneven token counts as in a real model.
 
     python benches/bench_gptq_layer.py [--tokens 8192,65536,262144] [--json out.json] [--keep DIR]
+                                       [--gpu-gib 79.1]  (an 80 GB card's memory on a larger one)
 
 Rows are written to the JSON file as soon as they are measured.
 """
@@ -30,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import gpu_budget
 import torch
 
 TOKEN_PHASES = ("forward", "hessian", "experts: gather + forward", "store activations")
@@ -192,6 +194,7 @@ def main() -> int:
         help="the routed output expert by expert even where grouped GEMMs run (the formulation "
         "they replaced, for a same-machine comparison)",
     )
+    gpu_budget.add_argument(ap)
     args = ap.parse_args()
     import forge
     import forge.calibrate as cal
@@ -202,6 +205,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no GPU: this bench needs CUDA")
         return 2
+    gpu_budget.hold_beyond(args.gpu_gib)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="forge-layer-"))
     src, out = root / "src", root / "out"
     t0 = time.perf_counter()
@@ -241,7 +245,7 @@ def main() -> int:
         # The headline figure: the layer's GPTQ-side work, i.e. all but its forward pass.
         gptq_side = layer_s - phases.get("forward", 0.0) if layer_s else None
         row = {"row": "gptq layer", "device": torch.cuda.get_device_name(),
-               "routed output": "per expert" if args.per_expert else "forge", "tokens": nsamples * seqlen, "wall_s": wall,
+               "routed output": "per expert" if args.per_expert else "forge", "gpu_budget_gib": args.gpu_gib, "tokens": nsamples * seqlen, "wall_s": wall,
                "layer_s": layer_s, "gptq_side_s": gptq_side, "phases": phases, "peak_gpu_gib": peak,
                "quantized": rep.quantized}  # fmt: skip
         write_row(args.json, row)

@@ -2,7 +2,8 @@
 # Every GPU check in one go, for a GPU machine with torch/transformers/pytest but no Rust:
 # installs the wheel and the prebuilt Rust GPU test binary from WHEEL_DIR (default .whl),
 # then runs the Rust GPU tests, `pytest -m cuda` over the whole suite and the GPU benches,
-# keeping every log under OUT (default ./gpu-out).
+# keeping every log under OUT (default ./gpu-out); GPU_GIB=79.1 runs the bench within an 80 GB
+# card's memory (benches/gpu_budget.py).
 #   Build here:  maturin build --release -o .whl
 #                cargo test -p forge-cuda --release --no-run  (copy target/release/deps/gpu-* to .whl/gpu-tests)
 set -uo pipefail
@@ -20,4 +21,4 @@ fi
 echo "== pytest -m cuda"
 python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/pytest_cuda.log"
 echo "== GPTQ on one DeepSeek-V3-shaped MoE layer"
-python3 benches/bench_gptq_layer.py --json "$OUT/bench_gptq_layer.json" 2>&1 | tail -30 | tee "$OUT/bench_gptq_layer.log"
+python3 benches/bench_gptq_layer.py ${GPU_GIB:+--gpu-gib "$GPU_GIB"} --json "$OUT/bench_gptq_layer.json" 2>&1 | tail -30 | tee "$OUT/bench_gptq_layer.log"
