@@ -54,6 +54,17 @@ def hold_beyond(gib: float | None) -> int:
     return hold
 
 
+def release() -> None:
+    """Frees what ``hold_beyond`` holds."""
+    if not _held:
+        return
+    cuda = ctypes.CDLL("libcuda.so.1")
+    while _held:
+        rc = cuda.cuMemFree_v2(ctypes.c_uint64(_held.pop()))
+        if rc != 0:
+            raise RuntimeError(f"cuMemFree of the held GPU memory failed: CUDA error {rc}")
+
+
 def add_argument(ap) -> None:
     """The benches' ``--gpu-gib`` option."""
     ap.add_argument(
