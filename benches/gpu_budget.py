@@ -14,10 +14,16 @@ the smaller card: the emulation errs toward less room, not more.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 _held: list[int] = []  # device pointers kept for the life of the process
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def hold_beyond(gib: float | None) -> int:
@@ -37,9 +43,8 @@ def hold_beyond(gib: float | None) -> int:
             f"cannot hold the GPU down to {gib} GiB: {hold} bytes to hold but only {free} free "
             f"of {total} (another process uses the card?)"
         )
-    cuda = ctypes.CDLL("libcuda.so.1")
     ptr = ctypes.c_uint64(0)
-    rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(hold))
+    rc = _driver().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(hold))
     if rc != 0:
         raise RuntimeError(
             f"cuMemAlloc of {hold} bytes (holding the GPU down to {gib} GiB) failed: CUDA error {rc}"
@@ -56,11 +61,8 @@ def hold_beyond(gib: float | None) -> int:
 
 def release() -> None:
     """Frees what ``hold_beyond`` holds."""
-    if not _held:
-        return
-    cuda = ctypes.CDLL("libcuda.so.1")
     while _held:
-        rc = cuda.cuMemFree_v2(ctypes.c_uint64(_held.pop()))
+        rc = _driver().cuMemFree_v2(ctypes.c_uint64(_held.pop()))
         if rc != 0:
             raise RuntimeError(f"cuMemFree of the held GPU memory failed: CUDA error {rc}")
 
