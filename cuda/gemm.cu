@@ -1183,6 +1183,67 @@ extern "C" __global__ void w4a16_tile_repack(const u32* qw, u32* out, int K, int
     out[i] = tiled_word(qw, N >> 3, t, c, lane, j);
 }
 
+// AWQ weights dequantized to row-major [K, N] (qweight's own order): out[k][n] = (q − z)·s,
+// q = q[k][n], z and s of group k / G, computed in fp32 and rounded once to the output dtype:
+// f32 exact, f16 as the f16 kernels' (q − z)·scale, bf16 with the scale first rounded to
+// bf16 as the bf16 kernels take it (dq_consts, dq2). So a GEMM on this output multiplies the
+// very weights the fused W4A16 kernels do (the runtime's route for many rows: dequantize, then
+// cuBLAS). A thread a qweight word: 8 outputs of one k, its scales one 16-byte load (scales
+// 16-byte aligned, N % 8 == 0), its outputs one or two 16-byte stores. Grid (word columns /
+// 256, min(K, 65535)), k strided by gridDim.y. (Eight rows a thread, their loads issued
+// before any use, was slower on an H200: 7168x18432 to bf16 118 -> 146 µs; README, "Session
+// 44".)
+template <typename OUT, int KIND>  // KIND: 0 f32, 1 f16, 2 bf16
+__device__ __forceinline__ void awq_dequant_impl(const u32* __restrict__ qw, const u32* __restrict__ qz,
+                                                 const u16* __restrict__ sc, OUT* __restrict__ out, int K, int N,
+                                                 int G) {
+    const int NW = N >> 3;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= NW) return;
+    for (int k = blockIdx.y; k < K; k += gridDim.y) {
+        const i64 grp = k / G;
+        const u32 w = __ldg(qw + (i64)k * NW + c);
+        const u32 z = __ldg(qz + grp * NW + c);
+        const uint4 s4 = __ldg((const uint4*)(sc + grp * N + 8 * (i64)c));
+        const u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int nib = awq_nibble(j);
+            const int d = (int)((w >> (4 * nib)) & 15u) - (int)((z >> (4 * nib)) & 15u);
+            float s = f16_to_f32((u16)(sw[j >> 1] >> (16 * (j & 1))));
+            if (KIND == 2) s = bf16_to_f32(f32_to_bf16_rn(s));
+            v[j] = (float)d * s;
+        }
+        OUT* o = out + (i64)k * N + 8 * (i64)c;
+        if constexpr (KIND == 0) {
+            ((float4*)o)[0] = make_float4(v[0], v[1], v[2], v[3]);
+            ((float4*)o)[1] = make_float4(v[4], v[5], v[6], v[7]);
+        } else {
+            u32 h[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const u32 lo = KIND == 1 ? f32_to_f16_rn(v[2 * j]) : f32_to_bf16_rn(v[2 * j]);
+                const u32 hi = KIND == 1 ? f32_to_f16_rn(v[2 * j + 1]) : f32_to_bf16_rn(v[2 * j + 1]);
+                h[j] = lo | (hi << 16);
+            }
+            *(uint4*)o = make_uint4(h[0], h[1], h[2], h[3]);
+        }
+    }
+}
+extern "C" __global__ void awq_dequant_f32(const u32* qw, const u32* qz, const u16* sc, float* out, int K, int N,
+                                           int G) {
+    awq_dequant_impl<float, 0>(qw, qz, sc, out, K, N, G);
+}
+extern "C" __global__ void awq_dequant_f16(const u32* qw, const u32* qz, const u16* sc, u16* out, int K, int N,
+                                           int G) {
+    awq_dequant_impl<u16, 1>(qw, qz, sc, out, K, N, G);
+}
+extern "C" __global__ void awq_dequant_bf16(const u32* qw, const u32* qz, const u16* sc, u16* out, int K, int N,
+                                            int G) {
+    awq_dequant_impl<u16, 2>(qw, qz, sc, out, K, N, G);
+}
+
 // GEMV on the tile layout, M <= 8·NT tokens (B columns of NT 8-token tiles; lanes past M read
 // row M-1 and their outputs are dropped). Block = one 16-output tile, its 4 to 32 warps on
 // contiguous runs of whole groups (G % 64 == 0), each keeping RW chunks of weights in flight

@@ -1466,6 +1466,81 @@ pub unsafe fn w4a16_tile_repack(
     unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
 }
 
+/// Arguments of [`awq_dequant`]: the AWQ tensors of a linear of `n` out features × `k` in
+/// features dequantized to a dense row-major `out [K, N]` (qweight's own order, so that
+/// `x · out` is the layer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AwqDequant {
+    /// Out features: a positive multiple of 8.
+    pub n: usize,
+    /// In features: a positive multiple of `group_size`.
+    pub k: usize,
+    /// AWQ group size `G`: positive.
+    pub group_size: usize,
+    /// i32 `[K, N/8]` AWQ-packed codes, 4-byte aligned.
+    pub qweight: u64,
+    /// i32 `[K/G, N/8]` AWQ-packed zero points, 4-byte aligned.
+    pub qzeros: u64,
+    /// f16 `[K/G, N]` group scales, 16-byte aligned.
+    pub scales: u64,
+    /// Output `[K, N]` of `out_dtype`, 16-byte aligned.
+    pub out: u64,
+    /// F32, F16 or Bf16.
+    pub out_dtype: DType,
+}
+
+impl AwqDequant {
+    /// Checks dtype, sizes, divisibility and pointer alignment without touching the driver.
+    pub fn validate(&self) -> Result<()> {
+        if self.out_dtype == DType::F8E4M3 {
+            return Err(CudaError::arg("out_dtype", "F32, F16 or Bf16", "F8E4M3"));
+        }
+        check_nonzero("group_size", self.group_size)?;
+        if self.k == 0 || !self.k.is_multiple_of(self.group_size) {
+            return Err(CudaError::arg(
+                "k",
+                format!("a positive multiple of group_size {}", self.group_size),
+                self.k,
+            ));
+        }
+        if self.n == 0 || !self.n.is_multiple_of(8) {
+            return Err(CudaError::arg("n", "a positive multiple of 8", self.n));
+        }
+        to_i32("n", self.n)?;
+        to_i32("k", self.k)?;
+        check_align("qweight", self.qweight, 4)?;
+        check_align("qzeros", self.qzeros, 4)?;
+        check_align("scales", self.scales, 16)?;
+        check_align("out", self.out, 16)?;
+        Ok(())
+    }
+}
+
+/// Dequantizes AWQ tensors to a dense `[K, N]` (see [`AwqDequant`]): `(q − z)·s` in fp32,
+/// rounded once to the output dtype, with a bf16 output's scale first rounded to bf16. So the
+/// f16 and bf16 outputs are, bit for bit, the weights [`w4a16_gemm_awq`] multiplies, and the
+/// f32 output is `forge_core::matmul::dequantize_awq` transposed. Checked by
+/// [`AwqDequant::validate`] before the driver is touched.
+///
+/// # Safety
+/// See the module documentation.
+pub unsafe fn awq_dequant(a: &AwqDequant, s: Stream) -> Result<()> {
+    a.validate()?;
+    let dev = dev_of(s)?;
+    let f = dev.function(kname("awq_dequant", a.out_dtype)?)?;
+    let words = a.n / 8;
+    let grid = (blocks(words, 256)?, a.k.min(65535) as u32, 1);
+    let (mut pq, mut pz, mut ps, mut po) = (a.qweight, a.qzeros, a.scales, a.out);
+    let (mut kk, mut nn, mut g) = (
+        to_i32("k", a.k)?,
+        to_i32("n", a.n)?,
+        to_i32("group_size", a.group_size)?,
+    );
+    let mut p = args!(pq, pz, ps, po, kk, nn, g);
+    // SAFETY: parameter list matches awq_dequant_<dt>; the buffers hold the documented sizes.
+    unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
+}
+
 /// Arguments of [`w4a16_gemv_tiled`]: `y = x · dequant(W)ᵀ` for `m <= 16` tokens with the
 /// codes in the tile layout ([`w4a16_tile_repack`]) and the zero points and scales as AWQ
 /// stores them.

@@ -568,6 +568,110 @@ fn w4a16_tiled_gemv_matches_cpu() {
     }
 }
 
+/// The dense dequantization against forge-core's: f32 bit for bit `dequantize_awq`
+/// transposed; f16 that value rounded once; bf16 `(q − z)·bf16(s)` rounded once (the W4A16
+/// kernels' weights). Scales include adversarial f16 values (subnormal, huge, negative).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn awq_dequant_matches_cpu() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    let mut seed = 700;
+    for (k, n, g) in [
+        (256usize, 64usize, 128usize),
+        (96, 24, 32),
+        (192, 8, 64),
+        (1024, 136, 256),
+        (64, 4096, 64),
+    ] {
+        let mut awq = awq_layer(n, k, g, seed);
+        let mut r = Lcg(seed + 1);
+        for (i, s) in awq.scales.iter_mut().enumerate() {
+            match i % 7 {
+                1 => *s = f16::from_bits(1 + (r.f().abs() * 1000.0) as u16), // subnormal
+                3 => *s = f16::from_f32(-r.f().abs() * 3.0 - 1e-3),
+                5 => *s = f16::from_f32(6.0e4),
+                _ => {}
+            }
+        }
+        seed += 2;
+        let (codes, zeros) =
+            forge_core::pack::unpack_awq(&awq.qweight, &awq.qzeros, k, n, g).unwrap();
+        let wt =
+            forge_core::matmul::dequantize_awq(&awq.qweight, &awq.qzeros, &awq.scales, k, n, g)
+                .unwrap(); // [N, K]
+        let qw = DeviceBuf::from_slice(0, &awq.qweight).unwrap();
+        let qz = DeviceBuf::from_slice(0, &awq.qzeros).unwrap();
+        let sc = DeviceBuf::from_slice(0, &awq.scales).unwrap();
+        for dt in [DType::F32, DType::F16, DType::Bf16] {
+            let out = DeviceBuf::zeroed(0, k * n * dt.size()).unwrap();
+            let a = ops::AwqDequant {
+                n,
+                k,
+                group_size: g,
+                qweight: qw.ptr(),
+                qzeros: qz.ptr(),
+                scales: sc.ptr(),
+                out: out.ptr(),
+                out_dtype: dt,
+            };
+            unsafe { ops::awq_dequant(&a, S) }.unwrap();
+            synchronize(0).unwrap();
+            let got32: Vec<u32> = match dt {
+                DType::F32 => out.download::<u32>().unwrap(),
+                _ => out
+                    .download::<u16>()
+                    .unwrap()
+                    .into_iter()
+                    .map(u32::from)
+                    .collect(),
+            };
+            for kk in 0..k {
+                for nn in 0..n {
+                    let i = kk * n + nn;
+                    let want = wt[nn * k + kk];
+                    let d = codes[i] as f32 - zeros[(kk / g) * n + nn] as f32;
+                    let s = awq.scales[(kk / g) * n + nn].to_f32();
+                    let exp = match dt {
+                        DType::F32 => want.to_bits(),
+                        DType::F16 => u32::from(f16::from_f32(want).to_bits()),
+                        _ => u32::from(bf16::from_f32(d * bf16::from_f32(s).to_f32()).to_bits()),
+                    };
+                    assert_eq!(got32[i], exp, "{dt:?} k{k} n{n} g{g} at ({kk}, {nn})");
+                }
+            }
+        }
+        eprintln!("awq_dequant k{k} n{n} g{g}: f32 / f16 / bf16 bit-exact");
+    }
+    // Shapes, dtypes and alignments it does not take are refused before the driver is touched.
+    let base = ops::AwqDequant {
+        n: 64,
+        k: 256,
+        group_size: 128,
+        qweight: 16,
+        qzeros: 16,
+        scales: 16,
+        out: 16,
+        out_dtype: DType::F16,
+    };
+    assert!(base.validate().is_ok());
+    for bad in [
+        ops::AwqDequant { n: 60, ..base },
+        ops::AwqDequant { k: 200, ..base },
+        ops::AwqDequant {
+            group_size: 0,
+            ..base
+        },
+        ops::AwqDequant {
+            out_dtype: DType::F8E4M3,
+            ..base
+        },
+        ops::AwqDequant { scales: 8, ..base },
+        ops::AwqDequant { out: 0, ..base },
+    ] {
+        assert!(bad.validate().is_err(), "{bad:?} accepted");
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
 fn w4a16_gemm_matches_cpu() {

@@ -466,6 +466,52 @@ pub fn w4a16_tile_repack_launch(
         .map_err(|e| cuda_err(py, e))
 }
 
+/// Dequantizes the AWQ tensors at `qweight`, `qzeros`, `scales` (a linear of `n` out × `k`
+/// in features, group `group_size`) into the dense row-major `out [K, N]` of `out_dtype`
+/// (`str(tensor.dtype)`: "torch.float32", "torch.float16" or "torch.bfloat16") on `stream`
+/// (see `forge_cuda::ops::awq_dequant`); the caller allocates `out` with torch and has
+/// checked dtypes, devices, shapes and contiguity.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn awq_dequant_launch(
+    py: Python<'_>,
+    qweight: u64,
+    qzeros: u64,
+    scales: u64,
+    out: u64,
+    out_dtype: &str,
+    n: usize,
+    k: usize,
+    group_size: usize,
+    device: usize,
+    stream: u64,
+) -> PyResult<()> {
+    let out_dtype = match DType::from_torch(out_dtype) {
+        Some(d @ (DType::F32 | DType::BF16 | DType::F16)) => cu_of(d),
+        _ => {
+            return Err(raise(
+                py,
+                "DTypeError",
+                format!(
+                    "out: expected torch.float32, torch.float16 or torch.bfloat16, got {out_dtype}"
+                ),
+            ))
+        }
+    };
+    let args = cu::AwqDequant {
+        n,
+        k,
+        group_size,
+        qweight,
+        qzeros,
+        scales,
+        out,
+        out_dtype,
+    };
+    // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
+    unsafe { cu::awq_dequant(&args, torch_stream(device, stream)) }.map_err(|e| cuda_err(py, e))
+}
+
 /// The tiled W4A16 GEMV launch (`M <= 16`, codes in the tile layout; see
 /// `forge_cuda::ops::w4a16_gemv_tiled`), on plain integers like [`w4a16_launch`]: no
 /// workspace, asynchronous, legal under CUDA-graph capture.
