@@ -1,10 +1,11 @@
 """GPU benchmark of the CUDA kernels against peers run in the same process (ratios).
 
-    python benches/bench_cuda.py [--json out.json] [--only gemm,pack,grid,mse,gptq,prep,hessian]
+    python benches/bench_cuda.py [--json out.json] [--only gemm,dense,pack,grid,mse,gptq,prep,hessian]
                                  [--gpu-gib 79.1]  (an 80 GB card's memory on a larger one)
 
 Peers: bf16 ``X @ W.T`` (cuBLAS) and ``torch.ops.aten._weight_int4pack_mm`` (PyTorch's
-int4 "tinygemm") for the W4A16 GEMM; a device-to-device copy for the fused AWQ
+int4 "tinygemm") for the W4A16 GEMM, and bf16 cuBLAS also for the runtime's dense route at
+many rows (dequantize, then cuBLAS); a device-to-device copy for the fused AWQ
 quantize+pack; the GPTQ authors' blocked "fasterquant" loop (one matrix) and the same loop
 vectorised over experts with ``torch.bmm`` (static groups) for the GPTQ solver; a
 vectorised plain-PyTorch MSE grid search; the previous chol + inverse + chol Hessian
@@ -239,6 +240,47 @@ def bench_gemm(rows, bw):
                     chain_ratio=chain["bf16"] / chain[op],
                     chain_vs_tinygemm=chain["tinygemm"] / chain[op],
                 )
+
+
+def bench_dense(rows, bw):
+    """Many rows (prefill, evaluation): the fused W4A16 GEMM against the runtime's dense route
+    (``forge.dequantize_awq_dense`` into the activation dtype, then cuBLAS), both against bf16
+    cuBLAS on the unquantized weights; and the dequantization alone against the copy
+    bandwidth. Picks ``forge.runtime.DENSE_MIN_ROWS``."""
+    for k, n in SHAPES:
+        w, _, (qw, qz, sc) = awq_weights(k, n)
+        t_deq = graph_time(lambda: forge.dequantize_awq_dense(qw, qz, sc, G, torch.bfloat16))
+        nbytes = tensor_bytes(qw, qz, sc) + k * n * 2
+        rows.add(
+            "awq_dequant",
+            f"K={k} N={n}",
+            "d2d copy, same bytes",
+            nbytes / bw,
+            t_deq,
+            limit_pct=100 * nbytes / bw / t_deq,
+        )
+        wd = forge.dequantize_awq_dense(qw, qz, sc, G, torch.bfloat16)
+        for m in (128, 256, 512, 768, 1024, 2048, 4096, 8192):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = graph_time(lambda x=x: x @ w.t())
+            t_fused = graph_time(lambda x=x: forge.awq_matmul(x, qw, qz, sc, G))
+            t_dense = graph_time(lambda x=x: x @ forge.dequantize_awq_dense(qw, qz, sc, G, torch.bfloat16))
+            ref = x.float() @ wd.float()
+            y_dense = x @ forge.dequantize_awq_dense(qw, qz, sc, G, torch.bfloat16)
+            rows.add(
+                "dense_route",
+                f"K={k} N={n}",
+                "bf16 cuBLAS",
+                t_bf16,
+                t_dense,
+                M=m,
+                fused_us=t_fused * 1e6,
+                vs_fused=t_fused / t_dense,
+                dequant_us=t_deq * 1e6,
+                rel_err=rel_err(y_dense, ref),
+                fused_rel_err=rel_err(forge.awq_matmul(x, qw, qz, sc, G), ref),
+            )
+            del x, ref, y_dense
 
 
 def bench_pack(rows, bw):
@@ -695,6 +737,8 @@ def print_row(r):
         extra += f"  {r['limit_pct']:5.1f}% of limit"
     if "kernel_limit_pct" in r:
         extra += f" (kernel alone {r['kernel_us']:.1f}us, {r['kernel_limit_pct']:.1f}%)"
+    if "vs_fused" in r:
+        extra += f"  fused w4a16_gemm {r['fused_us']:.1f}us: dense route x{r['vs_fused']:.2f} vs fused"
     if "vs_tinygemm" in r:
         extra += f"  x{r['vs_tinygemm']:.2f} vs tinygemm"
     if "cold_us" in r:
@@ -737,7 +781,7 @@ def print_row(r):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default="gemm,pack,grid,mse,gptq,prep,hessian")
+    ap.add_argument("--only", default="gemm,dense,pack,grid,mse,gptq,prep,hessian")
     ap.add_argument(
         "--batch", type=int, default=None, help="experts per batched GPTQ call (default: 64, or what fits)"
     )
@@ -756,6 +800,8 @@ def main() -> None:
     only = set(args.only.split(","))
     if "gemm" in only:
         bench_gemm(rows, bw)
+    if "dense" in only:
+        bench_dense(rows, bw)
     if "pack" in only:
         bench_pack(rows, bw)
     if "grid" in only:

@@ -547,6 +547,9 @@ CASES = [
         "scales",
     ),
     ("matmul-group", lambda: forge.awq_matmul(torch.randn(2, 64), *awq(), 48), ShapeError, "group_size"),
+    # the dense dequantization is a CUDA kernel: CPU tensors and other dtypes are named
+    ("deq-dense-cpu", lambda: forge.dequantize_awq_dense(*awq(), 32), DTypeError, "qweight"),
+    ("deq-dense-dtype", lambda: forge.dequantize_awq_dense(*awq(), 32, torch.int8), DTypeError, "dtype"),
 ]
 
 

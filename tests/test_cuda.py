@@ -330,6 +330,78 @@ def test_tiled_gemv_close_to_reference(act, m, k, n, group):
         assert float((y_gemm.double().cpu() - ref).abs().max() / ref.abs().max()) < awq_matmul_tol(act)
 
 
+def dense_reference(qw, qz, sc, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``W (K, N)`` of ``dtype`` written here in plain torch from the AWQ words: codes and zero
+    points unpacked in AWQ's nibble order, ``(q - z) * s`` in float32 rounded once, the scale
+    first rounded to bfloat16 for a bfloat16 result (the W4A16 kernels' weights)."""
+    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # column 8c + j sits in nibble order[j]
+
+    def unpack(words):
+        nib = (words.long().unsqueeze(-1) >> (4 * order)) & 15
+        return nib.reshape(words.shape[0], -1)
+
+    q = unpack(qw.cpu())
+    z = unpack(qz.cpu()).repeat_interleave(group, dim=0)
+    s = sc.cpu().float()
+    if dtype == torch.bfloat16:
+        s = s.bfloat16().float()
+    return ((q - z).float() * s.repeat_interleave(group, dim=0)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+# (36, 16, 12): K not a whole number of a thread's 8 rows (the CPU core takes G % 32 == 0 only)
+@pytest.mark.parametrize(
+    "k,n,group", [(256, 64, 128), (96, 24, 32), (192, 8, 64), (1024, 4096, 128), (36, 16, 12)]
+)
+def test_dequantize_awq_dense_bit_exact(k, n, group, dtype):
+    """The dense dequantization against the plain-torch formula, bit for bit, with adversarial
+    scales (subnormal, negative, huge: 15 x 60000 overflows float16 to inf, as the fused f16
+    kernel's product does); float32 also against the CPU core's ``dequantize_awq``."""
+    gen = torch.Generator().manual_seed(k + n)
+    qw = torch.randint(-(2**31), 2**31, (k, n // 8), generator=gen, dtype=torch.int64).to(torch.int32)
+    qz = torch.randint(-(2**31), 2**31, (k // group, n // 8), generator=gen, dtype=torch.int64).to(
+        torch.int32
+    )
+    sc = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).half()
+    flat = sc.view(-1)
+    flat[1::7] = torch.tensor(3e-7).half()  # subnormal
+    flat[3::7] = -flat[3::7] * 50
+    flat[5::7] = 6.0e4
+    got = forge.dequantize_awq_dense(qw.cuda(), qz.cuda(), sc.cuda(), group, dtype)
+    assert got.shape == (k, n) and got.dtype == dtype and got.is_cuda
+    want = dense_reference(qw, qz, sc, group, dtype)
+    assert torch.equal(
+        got.cpu().view(torch.int32 if dtype == torch.float32 else torch.int16),
+        want.view(torch.int32 if dtype == torch.float32 else torch.int16),
+    )
+    if dtype == torch.float32 and group % 32 == 0:
+        cpu = forge.dequantize_awq(qw, qz, sc, group)
+        assert torch.equal(got.cpu().t(), cpu)
+        assert torch.equal(forge.dequantize_awq(qw.cuda(), qz.cuda(), sc.cuda(), group).cpu(), cpu)
+
+
+def test_dequantize_awq_dense_refuses_bad_input():
+    qw = torch.zeros(64, 2, dtype=torch.int32, device="cuda")
+    qz = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
+    sc = torch.ones(2, 16, dtype=torch.float16, device="cuda")
+    from forge.errors import DTypeError, InvalidValueError, ShapeError
+
+    with pytest.raises(ShapeError, match="AWQ tensors"):
+        forge.dequantize_awq_dense(qw, qz, sc[:, :8], 32)
+    with pytest.raises(DTypeError, match="scales"):
+        forge.dequantize_awq_dense(qw, qz, sc.float(), 32)
+    with pytest.raises(InvalidValueError, match="group_size"):
+        forge.dequantize_awq_dense(qw, qz, sc, 0)
+    with pytest.raises(ShapeError, match="AWQ tensors"):
+        forge.dequantize_awq_dense(qw[:60], qz, sc, 32)  # K not a multiple of the groups
+    # scales as a contiguous view off a 16-byte boundary are copied, not refused
+    view = torch.ones(2 * 16 + 1, dtype=torch.float16, device="cuda")[1:].view(2, 16)
+    assert view.data_ptr() % 16 and view.is_contiguous()
+    assert torch.equal(
+        forge.dequantize_awq_dense(qw, qz, view, 32), forge.dequantize_awq_dense(qw, qz, sc, 32)
+    )
+
+
 def test_tiled_decode_switch_and_large_calls(monkeypatch):
     """Calls past TILED_MAX_M rows, shapes the tile layout does not take, and
     TILED_DECODE = False go to the GEMM and leave no tile copy; an in-place change of

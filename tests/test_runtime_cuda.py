@@ -20,6 +20,10 @@ Eager calls of at most 16 rows (TILED_MAX_M) run the tiled GEMV on the layer's c
 the dequantized weights: they are held to the same reference bounds, and compared bit for
 bit only with themselves (graph replay against eager), not with the GEMM.
 
+Calls of at least forge.runtime.DENSE_MIN_ROWS rows dequantize the weights (as the kernels
+take them) into a dense copy and multiply it with cuBLAS: bit for bit torch.mm on weights
+written in the test, and within the same float32-reference bounds.
+
 AwqExperts (grouped path), against a float32 reference written here (weights dequantized
 from the AWQ words, x rounded to the 16-bit type, act(gate) * up and down in float32, the
 top-k weighted sum in float32): max |y - ref| / max |ref| below twice the AwqLinear bounds
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime import ref_weight  # the CPU tests' plain-torch unpacker (device-agnostic)
+from test_runtime import ref_unpack, ref_weight  # the CPU tests' plain-torch unpacker (device-agnostic)
 
 import forge
 from forge import runtime
@@ -125,6 +129,63 @@ def test_cuda_graph_replay_equals_eager(lead, k, n, group, dtype):
         eager = mod(static_x.clone())
         torch.cuda.synchronize()
         assert torch.equal(static_y, eager)
+
+
+def kernel_weight(mod: AwqLinear, dtype: torch.dtype) -> torch.Tensor:
+    """``W (K, N)`` in ``dtype`` as the W4A16 kernels take it, written here: ``(q - z) * s``
+    in float32 rounded once, the scale first rounded to bfloat16 for bfloat16."""
+    q = ref_unpack(mod.qweight)
+    z = ref_unpack(mod.qzeros).repeat_interleave(mod.group_size, dim=0)
+    s = mod.scales.float()
+    if dtype == torch.bfloat16:
+        s = s.bfloat16().float()
+    return ((q - z).float() * s.repeat_interleave(mod.group_size, dim=0)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dense_route_for_many_rows(monkeypatch, dtype):
+    """From DENSE_MIN_ROWS rows a CUDA call multiplies the kernels' own weights, dequantized
+    into a dense copy, with cuBLAS: bit for bit ``torch.mm(x, W)`` with W written in the test,
+    and within the float32-reference bound. A row fewer, the route switched off, or a layer
+    over DENSE_MAX_BYTES run the fused kernel (bit for bit the custom op with the route off).
+    CUDA-graph replay of the route equals eager."""
+    monkeypatch.setattr(runtime, "DENSE_MIN_ROWS", 60)
+    k, n, group = 1024, 512, 128
+    mod = random_layer(k, n, group)
+    w = kernel_weight(mod, dtype)
+    ref_w = ref_weight(mod.qweight, mod.qzeros, mod.scales, group)
+    x = torch.randn(2, 30, k, device="cuda").to(dtype)
+    y = mod(x)
+    assert y.shape == (2, 30, n) and y.dtype == dtype
+    assert torch.equal(y, torch.mm(x.view(60, k), w).view(2, 30, n))
+    assert rel_err(y, x.float() @ ref_w.T) < TOL[dtype]
+
+    def fused(x):
+        with monkeypatch.context() as m:
+            m.setattr(runtime, "DENSE_ROUTE", False)
+            return torch.ops.forge.awq_gemm(x, mod.qweight, mod.qzeros, mod.scales, group)
+
+    y_fused = fused(x)
+    assert not torch.equal(y, y_fused) and rel_err(y_fused, x.float() @ ref_w.T) < TOL[dtype]
+    x59 = x.view(60, k)[:59]
+    assert torch.equal(mod(x59), fused(x59))
+    monkeypatch.setattr(runtime, "DENSE_MAX_BYTES", k * n * 2 - 1)
+    assert torch.equal(mod(x), y_fused)
+    monkeypatch.setattr(runtime, "DENSE_MAX_BYTES", k * n * 2)
+
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mod(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = mod(static_x)
+    static_x.copy_(torch.randn(2, 30, k, device="cuda").to(dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, mod(static_x.clone()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -35,6 +35,7 @@ _EXPORTS = {
             "cuda_status",
             "decode_qmeta",
             "dequantize_awq",
+            "dequantize_awq_dense",
             "dequantize_gptq",
             "encode_qmeta",
             "gptq_quantize",

@@ -40,6 +40,7 @@ __all__ = [
     "gptq_quantize",
     "pack_awq",
     "quantize_pack_awq",
+    "dequantize_awq_dense",
     "unpack_awq",
     "dequantize_awq",
     "tile_awq",
@@ -593,8 +594,65 @@ def tile_awq(qweight: torch.Tensor) -> torch.Tensor:
 def dequantize_awq(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int = 128
 ) -> torch.Tensor:
-    """``W (N, K)`` float32 with ``W[n, k] = (q[k, n] - z[k // G, n]) * scales[k // G, n]``."""
+    """``W (N, K)`` float32 with ``W[n, k] = (q[k, n] - z[k // G, n]) * scales[k // G, n]``.
+
+    CUDA tensors are dequantized on their device (:func:`dequantize_awq_dense`), others by
+    the CPU reference; both give the same bits."""
+    if all(isinstance(t, torch.Tensor) and t.is_cuda for t in (qweight, qzeros, scales)):
+        return dequantize_awq_dense(qweight, qzeros, scales, group_size, torch.float32).t().contiguous()
     return _via_cpu(lambda a, b, c: _native.dequantize_awq(a, b, c, group_size), qweight, qzeros, scales)
+
+
+def dequantize_awq_dense(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int = 128,
+    dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """CUDA AWQ tensors dequantized to a dense ``(K, N)`` of ``dtype`` (qweight's own order,
+    so ``x @ W`` is the layer) in one kernel on the tensors' device and current stream.
+
+    ``(q - z) * scale`` is computed in float32 and rounded once to ``dtype``; for bfloat16
+    the scale is first rounded to bfloat16. float16 and bfloat16 outputs are therefore the
+    very weights forge's fused W4A16 kernels multiply, and float32 is exact (the transpose of
+    :func:`dequantize_awq`). Needs ``N % 8 == 0``, ``K % group_size == 0`` and ``scales``
+    16-byte aligned (a tensor of its own, or a view starting on a 16-byte boundary).
+    """
+    from .errors import DTypeError, InvalidValueError, ShapeError
+    from .runtime import _check_device_awq, _current_stream, _device_index
+
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise DTypeError(f"dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+    if not isinstance(qweight, torch.Tensor) or not qweight.is_cuda:
+        raise DTypeError("qweight: expected a CUDA tensor (dequantize_awq takes CPU tensors)")
+    if qweight.dim() != 2:
+        raise ShapeError(f"qweight: expected (K, N/8), got {tuple(qweight.shape)}")
+    if not isinstance(group_size, int) or group_size <= 0:
+        raise InvalidValueError(f"group_size: expected a positive int, got {group_size!r}")
+    _, k, n = _check_device_awq(qweight, qzeros, scales, group_size, qweight.device, stacked=False)
+    if k % group_size or n % 8 or k == 0 or n == 0:
+        raise ShapeError(
+            f"AWQ tensors: need K % group_size == 0 and N % 8 == 0, got K={k} N={n} G={group_size}"
+        )
+    qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
+    if scales.data_ptr() % 16:
+        scales = scales.clone()
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    index = _device_index(qweight.device)
+    _native.awq_dequant_launch(
+        qweight.data_ptr(),
+        qzeros.data_ptr(),
+        scales.data_ptr(),
+        out.data_ptr(),
+        str(dtype),
+        n,
+        k,
+        group_size,
+        index,
+        _current_stream(index),
+    )
+    return out
 
 
 def awq_matmul(

@@ -21,7 +21,9 @@ the activation's device:
   :data:`GROUPED_MAX_PAIRS`) runs each projection as one grouped GEMV over all experts
   (``torch.ops.forge.awq_moe_gemv``): the pairs are sorted by expert on the GPU into a
   segment table (:func:`moe_route`: one kernel launch; :func:`moe_segments` is the same in
-  torch ops), nothing is read back, so that path captures too.
+  torch ops), nothing is read back, so that path captures too. Calls of at least
+  :data:`DENSE_MIN_ROWS` rows (prefill, evaluation) dequantize the weight into a transient
+  dense copy and multiply it with cuBLAS (:data:`DENSE_ROUTE`).
 * CPU: PyTorch's tinygemm int4 kernel (``aten._weight_int4pack_mm_for_cpu``) for bf16 and
   fp16 activations. The weight is converted once, on the first CPU forward of each dtype:
   codes are unpacked to ``[N, K]`` and repacked by ``aten._convert_weight_to_int4pack_for_cpu``;
@@ -41,7 +43,7 @@ from torch import nn
 
 from . import _native
 from .errors import DeviceError, DTypeError, ShapeError
-from .quant import awq_matmul, dequantize_awq, tile_awq, unpack_awq
+from .quant import awq_matmul, dequantize_awq, dequantize_awq_dense, tile_awq, unpack_awq
 
 __all__ = [
     "AwqLinear",
@@ -116,12 +118,29 @@ def _launch_io(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Ten
     return xa, y, xa.numel() // k, index
 
 
+#: Whether CUDA calls of at least :data:`DENSE_MIN_ROWS` rows (prefill, evaluation) dequantize
+#: the layer into a transient dense weight in the activation dtype
+#: (:func:`forge.dequantize_awq_dense`: one memory-bound kernel, the very weights the fused
+#: kernel multiplies) and multiply it with cuBLAS (``torch.mm``), as vLLM's AWQ layer does for
+#: many tokens. Once a call has that many rows, cuBLAS's bf16/fp16 GEMM outruns the fused W4A16
+#: kernel by more than the dequantization costs (``benches/bench_cuda.py --only dense``). The
+#: product then follows torch's cuBLAS settings, as a 16-bit ``nn.Linear`` does; the fused
+#: kernel always accumulates in fp32.
+DENSE_ROUTE = True
+#: Fewest rows for the dense route (:data:`DENSE_ROUTE`).
+DENSE_MIN_ROWS = 1024
+#: Largest transient dense weight, in bytes, the dense route makes; larger layers keep the
+#: fused kernel (a DeepSeek-V3 dense MLP projection, 7168 x 18432, takes 264 MB in bf16).
+DENSE_MAX_BYTES = 1 << 30
+
+
 def _cuda_gemm(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """``x (..., K) @ dequant(W).T`` on CUDA in ``x``'s dtype (fp16/bf16 natively; other
     dtypes through fp16). Output and scratch come from torch's allocator on the current
-    stream, the kernel is launched on that stream, and nothing waits for the GPU."""
+    stream, the kernel is launched on that stream, and nothing waits for the GPU. Calls of
+    many rows take the dense route (:data:`DENSE_ROUTE`)."""
     dev = x.device
     _, k, n = _check_device_awq(qweight, qzeros, scales, group_size, dev, stacked=False)
     if x.shape[-1] != k:
@@ -130,6 +149,10 @@ def _cuda_gemm(
     xa, y, m, index = _launch_io(x, k, n)
     if m == 0:
         return y.to(x.dtype)
+    if DENSE_ROUTE and m >= DENSE_MIN_ROWS and k * n * xa.element_size() <= DENSE_MAX_BYTES:
+        w = dequantize_awq_dense(qweight, qzeros, scales, group_size, xa.dtype)
+        torch.mm(xa.view(m, k), w, out=y.view(m, n))
+        return y if y.dtype == x.dtype else y.to(x.dtype)
     key = (index, m, n, k, group_size)
     ws_bytes = _WORKSPACE.get(key)
     if ws_bytes is None:
