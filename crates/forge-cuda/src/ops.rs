@@ -1248,9 +1248,8 @@ fn check_act(act: DType) -> Result<()> {
     Err(CudaError::arg("act", "F16 or Bf16", format!("{act:?}")))
 }
 
-/// The weight shape both W4A16 launches need: `k` a positive multiple of the group size,
-/// `n` a positive multiple of 32.
-fn check_w4a16_shape(n: usize, k: usize, g: usize) -> Result<()> {
+/// In features `k` a positive multiple of the group size `g`.
+fn check_whole_groups(k: usize, g: usize) -> Result<()> {
     if k == 0 || !k.is_multiple_of(g) {
         return Err(CudaError::arg(
             "k",
@@ -1258,6 +1257,13 @@ fn check_w4a16_shape(n: usize, k: usize, g: usize) -> Result<()> {
             k,
         ));
     }
+    Ok(())
+}
+
+/// The weight shape both W4A16 launches need: `k` a positive multiple of the group size,
+/// `n` a positive multiple of 32.
+fn check_w4a16_shape(n: usize, k: usize, g: usize) -> Result<()> {
+    check_whole_groups(k, g)?;
     if n == 0 || !n.is_multiple_of(32) {
         return Err(CudaError::arg("n", "a positive multiple of 32", n));
     }
@@ -1496,13 +1502,7 @@ impl AwqDequant {
             return Err(CudaError::arg("out_dtype", "F32, F16 or Bf16", "F8E4M3"));
         }
         check_nonzero("group_size", self.group_size)?;
-        if self.k == 0 || !self.k.is_multiple_of(self.group_size) {
-            return Err(CudaError::arg(
-                "k",
-                format!("a positive multiple of group_size {}", self.group_size),
-                self.k,
-            ));
-        }
+        check_whole_groups(self.k, self.group_size)?;
         if self.n == 0 || !self.n.is_multiple_of(8) {
             return Err(CudaError::arg("n", "a positive multiple of 8", self.n));
         }

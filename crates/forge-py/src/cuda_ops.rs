@@ -50,6 +50,19 @@ fn cu_of(d: DType) -> cu::DType {
     }
 }
 
+/// The kernels' element type of a floating torch dtype named `torch_dtype` (`str(tensor.dtype)`:
+/// "torch.float32", "torch.float16" or "torch.bfloat16"), else a DTypeError naming `what`.
+fn float_dtype(py: Python<'_>, what: &str, torch_dtype: &str) -> PyResult<cu::DType> {
+    match DType::from_torch(torch_dtype) {
+        Some(d @ (DType::F32 | DType::BF16 | DType::F16)) => Ok(cu_of(d)),
+        _ => Err(raise(
+            py,
+            "DTypeError",
+            format!("{what}: expected torch.float32, torch.float16 or torch.bfloat16, got {torch_dtype}"),
+        )),
+    }
+}
+
 /// Range (and MSE) grid of a CUDA weight `(rows, cols)`, FP8 with its checked block scales if
 /// given.
 pub fn build_quant_grid<'py>(
@@ -486,18 +499,7 @@ pub fn awq_dequant_launch(
     device: usize,
     stream: u64,
 ) -> PyResult<()> {
-    let out_dtype = match DType::from_torch(out_dtype) {
-        Some(d @ (DType::F32 | DType::BF16 | DType::F16)) => cu_of(d),
-        _ => {
-            return Err(raise(
-                py,
-                "DTypeError",
-                format!(
-                    "out: expected torch.float32, torch.float16 or torch.bfloat16, got {out_dtype}"
-                ),
-            ))
-        }
-    };
+    let out_dtype = float_dtype(py, "out", out_dtype)?;
     let args = cu::AwqDequant {
         n,
         k,
@@ -642,18 +644,7 @@ pub fn moe_combine_launch(
     device: usize,
     stream: u64,
 ) -> PyResult<()> {
-    let weights_dtype = match DType::from_torch(weights_dtype) {
-        Some(d @ (DType::F32 | DType::BF16 | DType::F16)) => cu_of(d),
-        _ => {
-            return Err(raise(
-                py,
-                "DTypeError",
-                format!(
-                    "weights: expected torch.float32, torch.bfloat16 or torch.float16, got {weights_dtype}"
-                ),
-            ))
-        }
-    };
+    let weights_dtype = float_dtype(py, "weights", weights_dtype)?;
     let args = cu::MoeCombine {
         y,
         act: act_dtype(bf16),
