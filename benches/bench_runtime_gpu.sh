@@ -5,7 +5,8 @@
 # Built in bf16, forged to AWQ g128 (RTN on the GPU), then bench_runtime.py: W4A16 through
 # forge.load_quantized vs bf16, batch 1 and 16, CUDA graphs where they capture, then eager (dense
 # also: the per-call AwqLinear vs nn.Linear rows; moe also: one AwqExperts layer, grouped GEMV vs
-# per-expert loop, T = 1..64). Rows are appended to
+# per-expert loop, T = 1..64), then bench_prefill.py (one forward of 512-8192 tokens, the
+# runtime's dense route on and off, against bf16). Rows are appended to
 # $OUT/results-<gpu>-runtime[-moe].json as measured; a mode that fails is recorded with its error.
 # Needs the wheel installed (PYTHONPATH) as in gpu_suite.sh.
 set -euo pipefail
@@ -39,4 +40,6 @@ gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lo
 if [ "$MODEL" = moe ]; then extra=(--moe-micro); suffix=-moe; else extra=(--micro); suffix=; fi
 python3 benches/bench_runtime.py "$work/awq" "$work/bf16" --device cuda --batch 1 16 "${extra[@]}" --eager-too \
   --json "$OUT/results-$gpu-runtime$suffix.json" "$@"
+# prefill / evaluation shapes: one forward of batch x seqlen tokens, the dense route on and off
+python3 benches/bench_prefill.py "$work/awq" "$work/bf16" --json "$OUT/results-$gpu-prefill$suffix.json"
 rm -rf "$work"

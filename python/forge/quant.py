@@ -620,7 +620,7 @@ def dequantize_awq_dense(
     16-byte aligned (a tensor of its own, or a view starting on a 16-byte boundary).
     """
     from .errors import DTypeError, InvalidValueError, ShapeError
-    from .runtime import _check_device_awq, _current_stream, _device_index
+    from .runtime import _check_device_awq, _dense_launch, _device_index
 
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise DTypeError(f"dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
@@ -638,21 +638,7 @@ def dequantize_awq_dense(
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
     if scales.data_ptr() % 16:
         scales = scales.clone()
-    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
-    index = _device_index(qweight.device)
-    _native.awq_dequant_launch(
-        qweight.data_ptr(),
-        qzeros.data_ptr(),
-        scales.data_ptr(),
-        out.data_ptr(),
-        str(dtype),
-        n,
-        k,
-        group_size,
-        index,
-        _current_stream(index),
-    )
-    return out
+    return _dense_launch(qweight, qzeros, scales, k, n, group_size, dtype, _device_index(qweight.device))
 
 
 def awq_matmul(

@@ -43,7 +43,7 @@ from torch import nn
 
 from . import _native
 from .errors import DeviceError, DTypeError, ShapeError
-from .quant import awq_matmul, dequantize_awq, dequantize_awq_dense, tile_awq, unpack_awq
+from .quant import awq_matmul, dequantize_awq, tile_awq, unpack_awq
 
 __all__ = [
     "AwqLinear",
@@ -123,15 +123,48 @@ def _launch_io(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Ten
 #: (:func:`forge.dequantize_awq_dense`: one memory-bound kernel, the very weights the fused
 #: kernel multiplies) and multiply it with cuBLAS (``torch.mm``), as vLLM's AWQ layer does for
 #: many tokens. Once a call has that many rows, cuBLAS's bf16/fp16 GEMM outruns the fused W4A16
-#: kernel by more than the dequantization costs (``benches/bench_cuda.py --only dense``). The
-#: product then follows torch's cuBLAS settings, as a 16-bit ``nn.Linear`` does; the fused
-#: kernel always accumulates in fp32.
+#: kernel by more than the dequantization costs. The product then follows torch's cuBLAS
+#: settings, as a 16-bit ``nn.Linear`` does; the fused kernel always accumulates in fp32.
 DENSE_ROUTE = True
-#: Fewest rows for the dense route (:data:`DENSE_ROUTE`).
-DENSE_MIN_ROWS = 1024
+#: Fewest rows for the dense route (:data:`DENSE_ROUTE`). On an H200 the route took 0.66-0.78x
+#: the fused kernel's time at 4096 rows on the DeepSeek-V3 shapes (``benches/bench_cuda.py
+#: --only dense``), and a forged 1.2B Llama's forward over 4096-16384 tokens ran 1.14-1.23x
+#: faster with it (``benches/bench_prefill.py``). From 1024 rows the kernels alone gained
+#: 1.00-1.16x, but the model's forward at 1024-2048 tokens measured 0.73-1.40x over repeated
+#: runs, so the route starts at 4096.
+DENSE_MIN_ROWS = 4096
 #: Largest transient dense weight, in bytes, the dense route makes; larger layers keep the
 #: fused kernel (a DeepSeek-V3 dense MLP projection, 7168 x 18432, takes 264 MB in bf16).
 DENSE_MAX_BYTES = 1 << 30
+
+
+_DTYPE_NAMES = {
+    torch.float32: "torch.float32",
+    torch.float16: "torch.float16",
+    torch.bfloat16: "torch.bfloat16",
+}
+
+
+def _dense_launch(
+    qweight, qzeros, scales, k: int, n: int, group_size: int, dtype, index: int
+) -> torch.Tensor:
+    """The dense dequantization's launch on checked, contiguous AWQ tensors of CUDA device
+    ``index`` (``scales`` 16-byte aligned): a new ``(K, N)`` of ``dtype`` on the current
+    stream (:func:`forge.dequantize_awq_dense`)."""
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    _native.awq_dequant_launch(
+        qweight.data_ptr(),
+        qzeros.data_ptr(),
+        scales.data_ptr(),
+        out.data_ptr(),
+        _DTYPE_NAMES[dtype],
+        n,
+        k,
+        group_size,
+        index,
+        _current_stream(index),
+    )
+    return out
 
 
 def _cuda_gemm(
@@ -149,8 +182,13 @@ def _cuda_gemm(
     xa, y, m, index = _launch_io(x, k, n)
     if m == 0:
         return y.to(x.dtype)
-    if DENSE_ROUTE and m >= DENSE_MIN_ROWS and k * n * xa.element_size() <= DENSE_MAX_BYTES:
-        w = dequantize_awq_dense(qweight, qzeros, scales, group_size, xa.dtype)
+    if (
+        DENSE_ROUTE
+        and m >= DENSE_MIN_ROWS
+        and k * n * xa.element_size() <= DENSE_MAX_BYTES
+        and scales.data_ptr() % 16 == 0  # else the fused kernel names it
+    ):
+        w = _dense_launch(qweight, qzeros, scales, k, n, group_size, xa.dtype, index)
         torch.mm(xa.view(m, k), w, out=y.view(m, n))
         return y if y.dtype == x.dtype else y.to(x.dtype)
     key = (index, m, n, k, group_size)
