@@ -41,6 +41,24 @@ def forward_seconds(model, ids: torch.Tensor, reps: int = 5) -> float:
     return times[len(times) // 2]
 
 
+def timed(model, ids: torch.Tensor, route: bool, min_rows: int | None = None):
+    """(seconds a forward, float32 logits) of the W4A16 ``model`` with
+    ``forge.runtime.DENSE_ROUTE = route`` (and ``DENSE_MIN_ROWS = min_rows`` if given),
+    both restored after."""
+    from forge import runtime
+
+    saved = runtime.DENSE_ROUTE, runtime.DENSE_MIN_ROWS
+    runtime.DENSE_ROUTE = route
+    if min_rows is not None:
+        runtime.DENSE_MIN_ROWS = min_rows
+    try:
+        t = forward_seconds(model, ids)
+        with torch.no_grad():
+            return t, model(input_ids=ids, use_cache=False).logits.float()
+    finally:
+        runtime.DENSE_ROUTE, runtime.DENSE_MIN_ROWS = saved
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("forged")
@@ -59,7 +77,6 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     import forge
-    from forge import runtime
 
     out = Path(args.json)
     rows: list[dict] = []
@@ -76,26 +93,13 @@ def main() -> None:
         batch, seqlen = (int(v) for v in shape.split("x"))
         ids = torch.randint(0, vocab, (batch, seqlen), generator=torch.Generator().manual_seed(0)).cuda()
         row = dict(batch=batch, seqlen=seqlen, min_rows=args.min_rows)
-        default = runtime.DENSE_MIN_ROWS
         try:
             tokens = batch * seqlen
             row["bf16_tok_s"] = tokens / forward_seconds(bf16, ids)
-            runtime.DENSE_ROUTE = False
-            try:
-                t_fused = forward_seconds(w4, ids)
-                with torch.no_grad():
-                    fused = w4(input_ids=ids, use_cache=False).logits.float()
-            finally:
-                runtime.DENSE_ROUTE = True
+            t_fused, fused = timed(w4, ids, False)
             row["w4a16_fused_tok_s"] = tokens / t_fused
             for rows_min in args.min_rows:
-                runtime.DENSE_MIN_ROWS = rows_min
-                try:
-                    t = forward_seconds(w4, ids)
-                    with torch.no_grad():
-                        routed = w4(input_ids=ids, use_cache=False).logits.float()
-                finally:
-                    runtime.DENSE_MIN_ROWS = default
+                t, routed = timed(w4, ids, True, rows_min)
                 row[f"w4a16_route{rows_min}_tok_s"] = tokens / t
                 row[f"route{rows_min}_vs_fused"] = t_fused / t
                 # the same weights either way: the logits differ only by the GEMMs' summation
