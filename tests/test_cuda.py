@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from test_runtime import kernel_weight  # plain-torch AWQ unpacking, nothing from forge
 
 import forge
 
@@ -330,31 +331,13 @@ def test_tiled_gemv_close_to_reference(act, m, k, n, group):
         assert float((y_gemm.double().cpu() - ref).abs().max() / ref.abs().max()) < awq_matmul_tol(act)
 
 
-def dense_reference(qw, qz, sc, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """``W (K, N)`` of ``dtype`` written here in plain torch from the AWQ words: codes and zero
-    points unpacked in AWQ's nibble order, ``(q - z) * s`` in float32 rounded once, the scale
-    first rounded to bfloat16 for a bfloat16 result (the W4A16 kernels' weights)."""
-    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # column 8c + j sits in nibble order[j]
-
-    def unpack(words):
-        nib = (words.long().unsqueeze(-1) >> (4 * order)) & 15
-        return nib.reshape(words.shape[0], -1)
-
-    q = unpack(qw.cpu())
-    z = unpack(qz.cpu()).repeat_interleave(group, dim=0)
-    s = sc.cpu().float()
-    if dtype == torch.bfloat16:
-        s = s.bfloat16().float()
-    return ((q - z).float() * s.repeat_interleave(group, dim=0)).to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-# (36, 16, 12): K not a whole number of a thread's 8 rows (the CPU core takes G % 32 == 0 only)
+# (36, 16, 12): a group size the CPU core does not take (it needs G % 32 == 0)
 @pytest.mark.parametrize(
     "k,n,group", [(256, 64, 128), (96, 24, 32), (192, 8, 64), (1024, 4096, 128), (36, 16, 12)]
 )
 def test_dequantize_awq_dense_bit_exact(k, n, group, dtype):
-    """The dense dequantization against the plain-torch formula, bit for bit, with adversarial
+    """The dense dequantization against the plain-torch formula (test_runtime's), bit for bit, with adversarial
     scales (subnormal, negative, huge: 15 x 60000 overflows float16 to inf, as the fused f16
     kernel's product does); float32 also against the CPU core's ``dequantize_awq``."""
     gen = torch.Generator().manual_seed(k + n)
@@ -369,7 +352,7 @@ def test_dequantize_awq_dense_bit_exact(k, n, group, dtype):
     flat[5::7] = 6.0e4
     got = forge.dequantize_awq_dense(qw.cuda(), qz.cuda(), sc.cuda(), group, dtype)
     assert got.shape == (k, n) and got.dtype == dtype and got.is_cuda
-    want = dense_reference(qw, qz, sc, group, dtype)
+    want = kernel_weight(qw, qz, sc, group, dtype)
     assert torch.equal(
         got.cpu().view(torch.int32 if dtype == torch.float32 else torch.int16),
         want.view(torch.int32 if dtype == torch.float32 else torch.int16),

@@ -28,12 +28,20 @@ def ref_unpack(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def ref_weight(qweight, qzeros, scales, group: int) -> torch.Tensor:
-    """W (..., N, K) float32."""
+def kernel_weight(qweight, qzeros, scales, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``W (..., K, N)`` of ``dtype`` as forge's W4A16 kernels take it: ``(q - z) * s`` in
+    float32 rounded once, the scale first rounded to bfloat16 for a bfloat16 result."""
     q = ref_unpack(qweight)
     z = ref_unpack(qzeros).repeat_interleave(group, dim=-2)
-    s = scales.float().repeat_interleave(group, dim=-2)
-    return ((q - z).float() * s).transpose(-1, -2)
+    s = scales.float()
+    if dtype == torch.bfloat16:
+        s = s.bfloat16().float()
+    return ((q - z).float() * s.repeat_interleave(group, dim=-2)).to(dtype)
+
+
+def ref_weight(qweight, qzeros, scales, group: int) -> torch.Tensor:
+    """W (..., N, K) float32."""
+    return kernel_weight(qweight, qzeros, scales, group, torch.float32).transpose(-1, -2)
 
 
 def random_awq(k: int, n: int, group: int, *lead: int, gen=None):

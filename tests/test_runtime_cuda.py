@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime import ref_unpack, ref_weight  # the CPU tests' plain-torch unpacker (device-agnostic)
+from test_runtime import kernel_weight, ref_weight  # the CPU tests' plain-torch references (device-agnostic)
 
 import forge
 from forge import runtime
@@ -131,17 +131,6 @@ def test_cuda_graph_replay_equals_eager(lead, k, n, group, dtype):
         assert torch.equal(static_y, eager)
 
 
-def kernel_weight(mod: AwqLinear, dtype: torch.dtype) -> torch.Tensor:
-    """``W (K, N)`` in ``dtype`` as the W4A16 kernels take it, written here: ``(q - z) * s``
-    in float32 rounded once, the scale first rounded to bfloat16 for bfloat16."""
-    q = ref_unpack(mod.qweight)
-    z = ref_unpack(mod.qzeros).repeat_interleave(mod.group_size, dim=0)
-    s = mod.scales.float()
-    if dtype == torch.bfloat16:
-        s = s.bfloat16().float()
-    return ((q - z).float() * s.repeat_interleave(mod.group_size, dim=0)).to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dense_route_for_many_rows(monkeypatch, dtype):
     """From DENSE_MIN_ROWS rows a CUDA call multiplies the kernels' own weights, dequantized
@@ -152,7 +141,7 @@ def test_dense_route_for_many_rows(monkeypatch, dtype):
     monkeypatch.setattr(runtime, "DENSE_MIN_ROWS", 60)
     k, n, group = 1024, 512, 128
     mod = random_layer(k, n, group)
-    w = kernel_weight(mod, dtype)
+    w = kernel_weight(mod.qweight, mod.qzeros, mod.scales, group, dtype)
     ref_w = ref_weight(mod.qweight, mod.qzeros, mod.scales, group)
     x = torch.randn(2, 30, k, device="cuda").to(dtype)
     y = mod(x)
