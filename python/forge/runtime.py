@@ -138,13 +138,6 @@ DENSE_MIN_ROWS = 4096
 DENSE_MAX_BYTES = 1 << 30
 
 
-_DTYPE_NAMES = {
-    torch.float32: "torch.float32",
-    torch.float16: "torch.float16",
-    torch.bfloat16: "torch.bfloat16",
-}
-
-
 def _dense_launch(
     qweight, qzeros, scales, k: int, n: int, group_size: int, dtype, index: int
 ) -> torch.Tensor:
@@ -157,7 +150,7 @@ def _dense_launch(
         qzeros.data_ptr(),
         scales.data_ptr(),
         out.data_ptr(),
-        _DTYPE_NAMES[dtype],
+        str(dtype),
         n,
         k,
         group_size,
