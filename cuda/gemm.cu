@@ -299,12 +299,44 @@ __device__ __forceinline__ void wg_keep(u32 (&r)[4]) {
 }
 #endif
 
-template <bool BF, int TN>
+// The grouped form's routing (MoE experts, w4a16_wgg_*): blockIdx.y is row y of the segment
+// table (first sorted position, row count <= TN, expert id); sorted position p reads row
+// x_rows[p] of x and writes row out_rows[p] of y, with expert e's tensors e · (ew, ez, es)
+// elements on. A count of 0 does nothing; an expert id outside [0, experts) writes zeros.
+struct WgRoute {
+    const int* x_rows;
+    const int* out_rows;
+    const int* segments;
+    i64 ew, ez, es;
+    int experts;
+};
+
+template <bool BF, int TN, bool GROUPED>
 __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
                                               const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
-                                              int M, int N, int K, int G, int k_chunk, int split_out) {
+                                              int M, int N, int K, int G, int k_chunk, int split_out,
+                                              WgRoute route) {
     pdl_launch_dependents();  // the split-K reduction's launch may overlap this grid's tail
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    // Grouped: this block's segment, its rows as M (from row 0 of the tile) and its expert's
+    // tensors. Read after pdl_wait: the table is the previous kernel's output.
+    int first = 0;
+    if constexpr (GROUPED) {
+        pdl_wait();
+        const int* seg = route.segments + 3 * blockIdx.y;
+        first = seg[0];
+        M = min(seg[1], TN);
+        const int e = seg[2];
+        if (M <= 0) return;
+        if (e < 0 || e >= route.experts) {
+            for (int i = threadIdx.x; i < M * 128; i += WG_THREADS)
+                ((u16*)out)[(i64)route.out_rows[first + (i >> 7)] * N + 128 * blockIdx.x + (i & 127)] = 0;
+            return;
+        }
+        qw += e * route.ew;
+        qz += e * route.ez;
+        sc += e * route.es;
+    }
     constexpr int XB = TN * WG_BK * 2;  // one x stage: TN rows of 128 bytes
     // x chunks a thread loads a stage (16 tokens: threads 0..127 load one each, the rest none).
     constexpr int XI = TN >= 32 ? TN / 32 : 1;
@@ -317,7 +349,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     const int g = lane >> 2, t = lane & 3, h = g >> 2;
     const int NW = N >> 3;
     const int wc0 = blockIdx.x * 16;
-    const int m0 = blockIdx.y * TN;
+    const int m0 = GROUPED ? 0 : blockIdx.y * TN;
     const int kbeg = blockIdx.z * k_chunk;
     const int kend = min(K, kbeg + k_chunk);
     const int ntiles = (kend - kbeg) / WG_BK;
@@ -335,6 +367,13 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     const bool x_loader = TN >= 32 || xr < TN;  // this thread loads x rows
     const bool x_full = m0 + TN <= M;
     const int x_rows = min(XI, max(0, (M - m0 - xr + 31) / 32));  // chunks i < x_rows hold real rows
+    // Grouped: each chunk's row of x by its own pointer (rows gathered through route.x_rows).
+    const u16* xq[GROUPED ? XI : 1];
+    if constexpr (GROUPED) {
+#pragma unroll
+        for (int i = 0; i < XI; i++)
+            xq[i] = i < x_rows ? x + (i64)route.x_rows[first + xr + 32 * i] * K + kbeg + 8 * xch : x;
+    }
     const u32 w_dst = smem_u32(Ws) + 4 * ((tid >> 2) * WG_WSTR + 4 * (tid & 3));
     const u32* wgp = qw + (i64)(kbeg + (tid >> 2)) * NW + wc0 + 4 * (tid & 3);
     const u32* m_src = tid < 4 ? qz + wc0 + 4 * tid : (const u32*)(sc + 8 * (wc0 + tid - 4));
@@ -344,7 +383,13 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     const u32* m_cur = m_src + (i64)(kbeg / G) * m_step;
     auto load_stage = [&](int stage) {
         const u32 xs = x_dst + stage * XB;
-        if (x_loader) {
+        if (GROUPED && x_loader) {
+#pragma unroll
+            for (int i = 0; i < XI; i++) {
+                cp_async16_s(xs + 4096 * i, i < x_rows ? xq[i] : x, i < x_rows ? 16 : 0);
+                xq[i] += WG_BK;
+            }
+        } else if (x_loader) {
             if (x_full) {
                 const u16* p = xg;
 #pragma unroll
@@ -372,7 +417,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     // kernel's tail; every load and store waits for it. (L2 prefetches of the block's weights
     // before this wait were slower: the whole slice by up to 18 % on 7168x18432, where the
     // prefetched lines outrun the L2; the first two stages no faster than none. README.)
-    pdl_wait();
+    if constexpr (!GROUPED) pdl_wait();
 
     float acc[TN / 2];
 #pragma unroll
@@ -487,7 +532,8 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         }
     __syncthreads();
     auto store_y = [&](int r, int c4, float4 v) {
-        u16* y = (u16*)out + (i64)(m0 + r) * N + 8 * wc0 + c4;  // y is only 2-byte aligned
+        const i64 row = GROUPED ? (i64)route.out_rows[first + r] : (i64)(m0 + r);
+        u16* y = (u16*)out + row * N + 8 * wc0 + c4;  // y is only 2-byte aligned
         const float f[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int e = 0; e < 4; e++) y[e] = BF ? f32_to_bf16_rn(f[e]) : f32_to_f16_rn(f[e]);
@@ -540,16 +586,30 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     extern "C" __global__ void __launch_bounds__(WG_THREADS) w4a16_wg_##SUF##_t##TN(                       \
         const u16* x, const u32* qw, const u32* qz, const u16* sc, void* out, int M, int N, int K, int G,  \
         int k_chunk, int split_out) {                                                                      \
-        w4a16_wg_impl<BF, TN>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out);                          \
+        w4a16_wg_impl<BF, TN, false>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out, WgRoute{});        \
     }
-FORGE_GEMM_WG_ENTRY(f16, false, 128)
-FORGE_GEMM_WG_ENTRY(bf16, true, 128)
-FORGE_GEMM_WG_ENTRY(f16, false, 64)
-FORGE_GEMM_WG_ENTRY(bf16, true, 64)
-FORGE_GEMM_WG_ENTRY(f16, false, 32)
-FORGE_GEMM_WG_ENTRY(bf16, true, 32)
-FORGE_GEMM_WG_ENTRY(f16, false, 16)
-FORGE_GEMM_WG_ENTRY(bf16, true, 16)
+// The grouped form (MoE experts at prefill): grid (N / 128, segments), K not split, y written
+// directly; see WgRoute.
+#define FORGE_GEMM_WGG_ENTRY(SUF, BF, TN)                                                                  \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS) w4a16_wgg_##SUF##_t##TN(                      \
+        const u16* x, const int* x_rows, const int* out_rows, const int* segments, const u32* qw,          \
+        const u32* qz, const u16* sc, i64 ew, i64 ez, i64 es, int experts, void* out, int N, int K,        \
+        int G) {                                                                                           \
+        w4a16_wg_impl<BF, TN, true>(x, qw, qz, sc, out, 0, N, K, G, K, WG_OUT_Y,                            \
+                                    WgRoute{x_rows, out_rows, segments, ew, ez, es, experts});             \
+    }
+#define FORGE_GEMM_WG_TILES(ENTRY) \
+    ENTRY(f16, false, 128)         \
+    ENTRY(bf16, true, 128)         \
+    ENTRY(f16, false, 64)          \
+    ENTRY(bf16, true, 64)          \
+    ENTRY(f16, false, 32)          \
+    ENTRY(bf16, true, 32)          \
+    ENTRY(f16, false, 16)          \
+    ENTRY(bf16, true, 16)
+FORGE_GEMM_WG_TILES(FORGE_GEMM_WG_ENTRY)
+FORGE_GEMM_WG_TILES(FORGE_GEMM_WGG_ENTRY)
+#undef FORGE_GEMM_WG_TILES
 
 // Sum of split-K partials ws[splits, MN] in split order, converted to the output dtype; four
 // outputs a thread (16-byte loads) when `vec` (MN % 4 == 0; ops.rs sets it for large MN, where

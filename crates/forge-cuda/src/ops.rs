@@ -1735,10 +1735,26 @@ pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------
-// (c2) grouped W4A16 GEMV (MoE experts at decode)
+// (c2) grouped W4A16 GEMV (MoE experts at decode) and its tensor-core form (prefill)
 
 /// Rows per segment the grouped GEMV supports (its kernel variants).
 pub const GROUPED_ROWS: [usize; 3] = [1, 2, 4];
+/// Rows per segment of the grouped form on tensor cores (`w4a16_wgg_<dt>_t<rows>`: the Hopper
+/// wgmma kernel, its token tiles, a segment a block; see [`grouped_wg_ok`]).
+pub const GROUPED_WG_ROWS: [usize; 4] = [16, 32, 64, 128];
+
+/// Whether device `device_ordinal` runs the grouped form on tensor cores
+/// ([`GROUPED_WG_ROWS`]) for experts of `k` in features, `n` out features and group size
+/// `group_size`: an sm_90 GPU (wgmma), `n` a multiple of 128, `k` and the group size multiples
+/// of 64, `k` a multiple of the group size.
+pub fn grouped_wg_ok(device_ordinal: usize, n: usize, k: usize, group_size: usize) -> Result<bool> {
+    let dev = device(device_ordinal)?;
+    Ok(dev.cc == (9, 0) && grouped_wg_shape_ok(n, k, group_size))
+}
+
+fn grouped_wg_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
+    group_size > 0 && k > 0 && k.is_multiple_of(group_size) && wg_shape_ok(n, k, group_size)
+}
 /// Largest segment table the grouped GEMV takes (the grid's y extent).
 pub const GROUPED_MAX_SEGMENTS: usize = GRID_Y_MAX;
 /// Largest grid y extent of a launch.
@@ -1773,7 +1789,9 @@ pub struct GroupedGemv {
     pub segments: u64,
     /// Rows of the segment table (the launch's grid y; an upper bound on real segments).
     pub num_segments: usize,
-    /// Most rows per segment: 1, 2 or 4 (the kernel variant).
+    /// Most rows per segment: 1, 2 or 4 (the SIMT GEMV's variants), or 16, 32, 64 or 128
+    /// ([`GROUPED_WG_ROWS`]: the wgmma kernel, on an sm_90 GPU, for the shapes
+    /// [`grouped_wg_ok`] takes; K is not split, no workspace).
     pub rows: usize,
     /// Experts in the stacked tensors.
     pub experts: usize,
@@ -1810,21 +1828,31 @@ impl GroupedGemv {
     /// Checks dtype, sizes, strides and pointer alignment without touching the driver.
     pub fn validate(&self) -> Result<()> {
         check_act(self.act)?;
-        if !GROUPED_ROWS.contains(&self.rows) {
-            return Err(CudaError::arg("rows", "1, 2 or 4", self.rows));
-        }
+        let wg = check_grouped_rows(self.rows)?;
         check_nonzero("pairs", self.pairs)?;
         check_nonzero("experts", self.experts)?;
         check_count("num_segments", self.num_segments, GROUPED_MAX_SEGMENTS)?;
         let g = self.group_size;
-        if g < 32 || !g.is_power_of_two() {
+        if wg && !grouped_wg_shape_ok(self.n, self.k, g) {
+            return Err(CudaError::arg(
+                "(n, k, group_size)",
+                format!(
+                    "n a multiple of 128, k and group_size multiples of 64 for rows {}",
+                    self.rows
+                ),
+                format!("({}, {}, {g})", self.n, self.k),
+            ));
+        }
+        if !wg && (g < 32 || !g.is_power_of_two()) {
             return Err(CudaError::arg("group_size", "a power of two >= 32", g));
         }
         check_w4a16_shape(self.n, self.k, g)?;
         let dense = Self::dense_strides(self.k, self.n, g);
+        // 16-byte chunks of every expert's tensors (the wgmma kernel copies its zero points so).
+        let zeros_align = if wg { 4 } else { 1 };
         for (i, (name, align)) in [
             ("expert_strides[0] (qweight)", 4),
-            ("expert_strides[1] (qzeros)", 1),
+            ("expert_strides[1] (qzeros)", zeros_align),
             ("expert_strides[2] (scales)", 8),
         ]
         .into_iter()
@@ -1849,11 +1877,22 @@ impl GroupedGemv {
         check_align("out_rows", self.out_rows, 4)?;
         check_align("segments", self.segments, 4)?;
         check_align("qweight", self.qweight, 16)?;
-        check_align("qzeros", self.qzeros, 4)?;
+        check_align("qzeros", self.qzeros, if wg { 16 } else { 4 })?;
         check_align("scales", self.scales, 16)?;
         check_align("y", self.y, 2)?;
         Ok(())
     }
+}
+
+/// Checks a grouped launch's rows per segment; true for the tensor-core form.
+fn check_grouped_rows(rows: usize) -> Result<bool> {
+    if GROUPED_WG_ROWS.contains(&rows) {
+        return Ok(true);
+    }
+    if GROUPED_ROWS.contains(&rows) {
+        return Ok(false);
+    }
+    Err(CudaError::arg("rows", "1, 2, 4, 16, 32, 64 or 128", rows))
 }
 
 /// How the grouped GEMV splits its work (cached per shape).
@@ -1865,6 +1904,9 @@ struct GroupedPlan {
     splits: usize,
     /// K per split.
     k_chunk: usize,
+    /// The tensor-core form (`w4a16_wgg_<dt>_t<rows>`): its parameter list, threads and shared
+    /// memory.
+    wg: bool,
 }
 
 /// Word columns per lane of the grouped kernel for `rows` (as the plain version 3).
@@ -1880,6 +1922,7 @@ fn grouped_plan(slots: usize, rows: usize, segments: usize, n: usize, k: usize) 
         nblocks,
         splits,
         k_chunk,
+        wg: false,
     }
 }
 
@@ -1898,6 +1941,23 @@ fn grouped_plan_for(
     static PLANS: PlanCache<Key, GroupedPlan> = OnceLock::new();
     let key = (dev.ordinal, act, rows, segments, n, k, group_size);
     cached_plan(&PLANS, key, || {
+        if check_grouped_rows(rows)? {
+            if dev.cc != (9, 0) {
+                return Err(CudaError::arg(
+                    "rows",
+                    "1, 2 or 4 on this GPU (16 to 128 run wgmma: sm_90)",
+                    format!("{rows} on sm_{}{}", dev.cc.0, dev.cc.1),
+                ));
+            }
+            let name = kernel_named(format!("w4a16_wgg_{}_t{rows}", act.suffix()))?;
+            let plan = GroupedPlan {
+                nblocks: n / WG_BN,
+                splits: 1,
+                k_chunk: k,
+                wg: true,
+            };
+            return Ok((plan, dev.function(name)?, None));
+        }
         let name = kernel_named(format!("w4a16_gemv3g_{}_r{rows}", act.suffix()))?;
         let f = dev.function(name)?;
         let sms = dev.sm_count.max(1) as usize;
@@ -1919,8 +1979,8 @@ pub fn w4a16_grouped_workspace_bytes(
     k: usize,
     group_size: usize,
 ) -> Result<usize> {
-    if !GROUPED_ROWS.contains(&rows) {
-        return Err(CudaError::arg("rows", "1, 2 or 4", rows));
+    if check_grouped_rows(rows)? {
+        return Ok(0);
     }
     let dev = device(device_ordinal)?;
     split_workspace_bytes(pairs * n, |act| {
@@ -1953,7 +2013,6 @@ pub unsafe fn w4a16_grouped_gemv_awq(a: &GroupedGemv, s: Stream) -> Result<()> {
         a.num_segments as u32,
         plan.splits as u32,
     );
-    let threads = (32 * GEMV3_WARPS) as u32;
     let (mut px, mut pxr, mut por, mut pseg) = (a.x, a.x_rows, a.out_rows, a.segments);
     let (mut pqw, mut pqz, mut psc) = (a.qweight, a.qzeros, a.scales);
     let (mut ew, mut ez, mut es) = (
@@ -1969,6 +2028,15 @@ pub unsafe fn w4a16_grouped_gemv_awq(a: &GroupedGemv, s: Stream) -> Result<()> {
         a.group_size.trailing_zeros() as i32,
         plan.k_chunk as i32,
     );
+    if plan.wg {
+        let (mut out, mut g) = (a.y, a.group_size as i32);
+        let mut p = args!(px, pxr, por, pseg, pqw, pqz, psc, ew, ez, es, ee, out, nn, kk, g);
+        let (block, smem) = ((WG_THREADS as u32, 1, 1), W4A16_WG_SMEM);
+        // SAFETY: parameter list matches w4a16_wgg_<dt>_t<rows>; pointers per the caller's
+        // contract, checked above for alignment.
+        return unsafe { launch(dev, f, grid, block, smem, s.handle, &mut p) };
+    }
+    let threads = (32 * GEMV3_WARPS) as u32;
     let mut go = |out: u64, split: bool| {
         let (mut out, mut split_out) = (out, split as i32);
         let mut p = args!(

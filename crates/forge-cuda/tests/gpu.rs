@@ -925,6 +925,40 @@ fn w4a16_grouped_gemv_matches_cpu() {
     }
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn w4a16_grouped_wg_matches_cpu() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    if !ops::grouped_wg_ok(0, 256, 512, 128).unwrap() {
+        // Not an sm_90 GPU: the tensor-core rows are refused with an error, not launched.
+        let err = ops::w4a16_grouped_workspace_bytes(0, 16, 8, 8, 256, 512, 128);
+        assert_eq!(err.unwrap(), 0, "the tensor-core form never splits K");
+        eprintln!("skipping the tensor-core grouped form: not an sm_90 GPU");
+        return;
+    }
+    // Shapes the other way round are refused before the driver is touched.
+    assert!(!ops::grouped_wg_ok(0, 96, 512, 128).unwrap());
+    assert!(!ops::grouped_wg_ok(0, 256, 96, 32).unwrap());
+    let mut seed = 901;
+    for act in [DType::F16, DType::Bf16] {
+        // rows, tokens, top_k, experts, K, N, G: runs cut into several segments, partial and
+        // full tiles, masked ids, a group size that is not a power of two (192), and
+        // DeepSeek-V3-like gate_up / down experts (hidden 2048, expert 1408).
+        for (rows, tokens, top_k, experts, k, n, g) in [
+            (16, 64, 8, 16, 512, 256, 128),
+            (32, 40, 6, 8, 256, 384, 64),
+            (64, 100, 4, 4, 1024, 128, 128),
+            (128, 200, 2, 4, 576, 256, 192),
+            (16, 3, 6, 16, 512, 256, 128),
+            (64, 32, 6, 16, 2048, 2816, 128),
+            (32, 32, 6, 16, 1408, 2048, 128),
+        ] {
+            grouped_case(rows, tokens, top_k, experts, k, n, g, act, seed);
+            seed += 1;
+        }
+    }
+}
+
 /// Every Hessian kernel that takes `dt` and `d` on this device (the automatic choice too).
 fn hessian_kernels(dt: DType, d: usize) -> Vec<ops::HessianKernel> {
     use ops::HessianKernel as K;

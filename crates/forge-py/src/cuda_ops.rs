@@ -577,6 +577,20 @@ pub fn tile_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
     cu::tile_shape_ok(n, k, group_size)
 }
 
+/// Whether CUDA device `device` runs the grouped MoE product on tensor cores (segments of
+/// 16 to 128 rows) for experts of `k` in features, `n` out features and group size
+/// `group_size` (see `forge_cuda::ops::grouped_wg_ok`).
+#[pyfunction]
+pub fn grouped_wg_ok(
+    py: Python<'_>,
+    device: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> PyResult<bool> {
+    cu::grouped_wg_ok(device, n, k, group_size).map_err(|e| cuda_err(py, e))
+}
+
 /// Rows of the grouped GEMV's segment table for `pairs` pairs over `experts` experts in
 /// segments of at most `rows` (see `forge_cuda::ops::moe_max_segments`).
 #[pyfunction]
