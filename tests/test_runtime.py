@@ -284,6 +284,22 @@ def route_reference(ids: list[list[int]], e: int, rows: int, nseg: int):
     return order, [p // k for p in order], segs
 
 
+def test_moe_wg_rows_is_the_smallest_tile_holding_an_experts_share():
+    from forge.runtime import GROUPED_WG_ROWS, moe_wg_rows
+
+    assert GROUPED_WG_ROWS == (16, 32, 64, 128)
+    pairs = (385, 512, 513, 1024, 1025, 2048, 2049, 10**6)
+    assert [moe_wg_rows(p, 16) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 128]
+    assert [moe_wg_rows(p, 256) for p in (400, 4096, 4097, 16384, 16385)] == [16, 16, 32, 64, 128]
+
+
+def test_awq_experts_off_cuda_takes_no_grouped_launch():
+    """On the CPU every call runs the per-expert loop, whatever the pair count."""
+    mod = random_experts(16, 64, 32, 32)
+    x = torch.randn(100, 64)
+    assert mod._grouped_rows(x, 100, 6) is None and mod._grouped_rows(x, 100, 600) is None
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_moe_route_off_cuda_is_the_torch_ops(rows):
     from forge.runtime import moe_route

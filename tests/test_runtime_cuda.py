@@ -1,6 +1,7 @@
 """forge.runtime on CUDA (marker ``cuda``; skipped without a usable GPU): AwqLinear against
 dequantize-then-matmul, CUDA-graph capture, torch.compile(mode="reduce-overhead") and
-stream ordering; AwqExperts' grouped GEMV path (decode: few (token, expert) pairs) likewise.
+stream ordering; AwqExperts' grouped GEMV path (decode: few (token, expert) pairs) likewise,
+and its tensor-core form (prefill: segments of 16 to 128 rows of one expert, sm_90 only).
 
 Tolerances:
 * against the float32 reference (weights dequantized in the test from the AWQ words, fp32
@@ -342,10 +343,12 @@ def uses_grouped(mod: AwqExperts, monkeypatch) -> list[int]:
 def test_awq_experts_grouped_matches_reference(tokens, top_k, dtype, monkeypatch):
     mod = random_experts(dtype)
     calls = uses_grouped(mod, monkeypatch)
+    monkeypatch.setattr("forge.runtime.GROUPED_WG", False)  # the SIMT GEMV at every size here
     idx, w = routing(tokens, top_k, seed=tokens * 10 + top_k)
     x = torch.randn(tokens, HIDDEN, device="cuda").to(dtype)
     y = mod(x, idx, w)
-    assert len(calls) == 2  # gate_up and down, one launch each
+    rows = runtime.moe_rows(tokens, tokens * top_k, EXPERTS)
+    assert calls == [rows, rows]  # gate_up and down, one launch each
     assert y.shape == x.shape and y.dtype == dtype
     assert rel_err(y, ref_moe(mod, x, idx, w)) < 2 * TOL[dtype]
     # same as the per-expert loop (other kernels: within the same bound)
@@ -388,6 +391,114 @@ def test_awq_moe_gemv_every_row_variant(rows, dtype):
             continue
         ref = w[ex] @ x[p // 4].float()
         assert rel_err(y[p], ref) < TOL[dtype]
+
+
+def random_stack(
+    e: int, k: int, n: int, g: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked AWQ tensors of ``e`` experts on the GPU: random words, scales in [0.001, 0.021)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def words(*shape):
+        return torch.randint(-(2**31), 2**31, shape, generator=gen, dtype=torch.int64).to(torch.int32)
+
+    scales = (torch.rand(e, k // g, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    return words(e, k, n // 8).cuda(), words(e, k // g, n // 8).cuda(), scales.cuda()
+
+
+def needs_grouped_wg(*shapes: tuple[int, int, int]) -> None:
+    """Skips unless this GPU runs the grouped tensor-core form for every (K, N, G)."""
+    dev = torch.device("cuda")
+    if not all(runtime.grouped_wg_ok(dev, k, n, g) for k, n, g in shapes):
+        pytest.skip("the grouped tensor-core form needs an sm_90 GPU")
+
+
+@pytest.mark.parametrize("rows", runtime.GROUPED_WG_ROWS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_awq_moe_gemv_tensor_core_rows(rows, dtype):
+    """The op with the tensor-core form's rows (a segment a block): runs of one expert longer
+    than a segment, masked pairs exact zeros, every other row dequantize-then-matmul; and a
+    shape the form does not take is a named error, not a launch."""
+    from forge.runtime import moe_segments
+
+    e, k, n, g, t, top_k = 8, 576, 384, 192, 96, 4  # G = 192: not a power of two
+    needs_grouped_wg((k, n, g))
+    qweight, qzeros, scales = random_stack(e, k, n, g, seed=rows)
+    gen = torch.Generator().manual_seed(rows + 1)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)])
+    idx[::2, 0] = torch.where(idx[::2].eq(2).any(1), idx[::2, 0], 2)  # expert 2 in every other token
+    idx[2, 1], idx[4, 3] = -5, e
+    idx = idx.cuda()
+    order, seg = moe_segments(idx, e, rows)
+    x = torch.randn(t, k, device="cuda").to(dtype)
+    tokens = torch.div(order, top_k, rounding_mode="floor")
+    y = torch.ops.forge.awq_moe_gemv(x, tokens, order, seg, qweight, qzeros, scales, g, rows)
+    assert y.shape == (t * top_k, n) and y.dtype == dtype
+    flat = idx.reshape(-1).cpu()
+    valid = (flat >= 0) & (flat < e)
+    assert (y[~valid.cuda()] == 0).all()
+    w = ref_weight(qweight, qzeros, scales, g)  # (e, n, k)
+    ref = torch.einsum("pnk,pk->pn", w[flat.clamp(0, e - 1)], x.float()[torch.arange(t * top_k) // top_k])
+    assert rel_err(y[valid.cuda()], ref[valid.cuda()]) < TOL[dtype]
+    bad = random_stack(2, 512, 96, 128, seed=0)  # N = 96: not a multiple of 128
+    with pytest.raises(forge.errors.ForgeError, match="multiple of 128"):
+        runtime._cuda_moe_gemv(x[:, :512], tokens, order, seg.clamp(max=1), *bad, 128, rows)
+
+
+PREFILL = [(80, 6), (150, 6), (300, 8)]  # 480 / 900 / 2400 pairs: segments of 32, 64 and 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k", PREFILL)
+def test_awq_experts_prefill_takes_the_tensor_core_form(tokens, top_k, dtype, monkeypatch):
+    """Past GROUPED_WG_MIN_SHARE pairs per expert both projections are one tensor-core launch
+    each, with the reference's result and the per-expert loop's (GROUPED_WG off) within the
+    same bound."""
+    needs_grouped_wg((HIDDEN, 2 * INTER, GROUP), (INTER, HIDDEN, GROUP))
+    mod = random_experts(dtype)
+    calls = uses_grouped(mod, monkeypatch)
+    idx, w = routing(tokens, top_k, seed=tokens)
+    x = torch.randn(tokens, HIDDEN, device="cuda").to(dtype)
+    y = mod(x, idx, w)
+    rows = runtime.moe_wg_rows(tokens * top_k, EXPERTS)
+    assert calls == [rows, rows] and rows in runtime.GROUPED_WG_ROWS
+    ref = ref_moe(mod, x, idx, w)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert rel_err(y, ref) < 2 * TOL[dtype]
+    monkeypatch.setattr("forge.runtime.GROUPED_WG", False)
+    monkeypatch.setattr("forge.runtime.GROUPED_MAX_PAIRS", 0)
+    loop = mod(x, idx, w)
+    assert len(calls) == 2  # the loop launched no grouped kernel
+    assert rel_err(loop, ref) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_awq_experts_prefill_cuda_graph_replay_equals_eager(dtype):
+    """Prefill through the tensor-core form reads nothing back: it captures into a CUDA graph,
+    and each replay (new activations and routing) is bit for bit the eager forward."""
+    needs_grouped_wg((HIDDEN, 2 * INTER, GROUP), (INTER, HIDDEN, GROUP))
+    tokens, top_k = 150, 6
+    mod = random_experts(dtype)
+    static_x = torch.randn(tokens, HIDDEN, device="cuda").to(dtype)
+    static_idx, static_w = routing(tokens, top_k)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mod(static_x, static_idx, static_w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the loop's .tolist() of counts would raise here
+        static_y = mod(static_x, static_idx, static_w)
+    for seed in range(1, 3):
+        idx, w = routing(tokens, top_k, seed=seed, masked=seed != 2)
+        static_x.copy_(torch.randn(tokens, HIDDEN, device="cuda").to(dtype))
+        static_idx.copy_(idx)
+        static_w.copy_(w)
+        graph.replay()
+        eager = mod(static_x.clone(), static_idx.clone(), static_w.clone())
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, eager)
+        assert rel_err(eager, ref_moe(mod, static_x, static_idx, static_w)) < 2 * TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

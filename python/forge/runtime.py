@@ -371,6 +371,23 @@ def _awq_gemm_fake(x, qweight, qzeros, scales, group_size, tiles=None):
 #: kernel reads each active expert's weights once per segment of up to 4 rows, so it loses
 #: to per-expert tensor-core GEMMs only once experts get many rows each (prefill).
 GROUPED_MAX_PAIRS = 384
+#: On an sm_90 GPU, :class:`AwqExperts` runs each quantized projection as one launch of the
+#: grouped form on tensor cores (the wgmma GEMM, a segment of up to 16 / 32 / 64 / 128 rows of
+#: one expert a block; see :func:`moe_wg_rows`) once a call has more than
+#: :data:`GROUPED_WG_MIN_SHARE` pairs per expert: nothing read back at any size, so prefill
+#: captures into CUDA graphs too. On an H200 (``benches/results-h200-runtime-moe.json``, 64
+#: experts of 1408, hidden 2048, top-6, in a CUDA graph) it ties the SIMT GEMV at 96 pairs
+#: (170 against 163 µs), wins from 192 (198 against 243 µs; 201 against 384 at 384 pairs),
+#: and from 1024 tokens on is 1.14-1.38x the bf16 layer as two ``torch._grouped_mm`` calls and
+#: 3.6-20x the per-expert loop. False: the SIMT GEMV up to :data:`GROUPED_MAX_PAIRS`, the loop
+#: past it.
+GROUPED_WG = True
+#: Pairs per expert (on average) past which the tensor-core form takes over from the SIMT GEMV.
+GROUPED_WG_MIN_SHARE = 2
+#: The grouped form's rows per segment (its token tiles).
+GROUPED_WG_ROWS = (16, 32, 64, 128)
+# (device, N, K, G) -> whether the grouped form runs on tensor cores there
+_GROUPED_WG_OK: dict[tuple[int, int, int, int], bool] = {}
 # split-K scratch bytes per (device, rows, pairs, segments, N, K, G)
 _GROUPED_WORKSPACE: dict[tuple[int, ...], int] = {}
 
@@ -381,6 +398,27 @@ def moe_rows(tokens: int, pairs: int, num_experts: int) -> int:
     if tokens == 1:
         return 1
     return 2 if pairs <= 2 * num_experts else 4
+
+
+def moe_wg_rows(pairs: int, num_experts: int) -> int:
+    """Rows per segment of the grouped tensor-core form for ``pairs`` pairs over
+    ``num_experts`` experts: the smallest token tile that holds an expert's average share, so
+    that most experts are one block row and the MMAs are no wider than they need."""
+    share = -(-pairs // max(num_experts, 1))
+    return next((r for r in GROUPED_WG_ROWS if r >= share), GROUPED_WG_ROWS[-1])
+
+
+@torch.compiler.assume_constant_result
+def grouped_wg_ok(dev: torch.device, in_features: int, out_features: int, group_size: int) -> bool:
+    """Whether the grouped form runs on tensor cores for these experts on CUDA device ``dev``
+    (an sm_90 GPU; out features a multiple of 128, in features and group a multiple of 64).
+    A constant of the device and shape: ``torch.compile`` calls it once while tracing."""
+    index = _device_index(dev)
+    key = (index, out_features, in_features, group_size)
+    ok = _GROUPED_WG_OK.get(key)
+    if ok is None:
+        ok = _GROUPED_WG_OK[key] = _native.grouped_wg_ok(index, out_features, in_features, group_size)
+    return ok
 
 
 def moe_max_segments(pairs: int, num_experts: int, rows: int) -> int:
@@ -663,7 +701,9 @@ def awq_moe_gemv(
     position ``p`` in ``first .. first + min(count, rows)``,
     ``y[out_rows[p]] = x[x_rows[p]] @ dequant(W_e).T``; ids outside ``[0, E)`` give zeros.
     Returns ``y (pairs = out_rows.numel(), N)`` in ``x``'s dtype. CUDA: one kernel launch
-    (forge's SIMT GEMV, ``rows`` in {1, 2, 4}); elsewhere a segment loop (reference)."""
+    (forge's SIMT GEMV for ``rows`` in {1, 2, 4}; the wgmma GEMM, a segment a block, for
+    ``rows`` in :data:`GROUPED_WG_ROWS` where :func:`grouped_wg_ok`); elsewhere a segment
+    loop (reference)."""
     if x.is_cuda:
         return _cuda_moe_gemv(x, x_rows, out_rows, segments, qweight, qzeros, scales, group_size, rows)
     return _moe_gemv_reference(x, x_rows, out_rows, segments, qweight, qzeros, scales, group_size, rows)
@@ -890,8 +930,12 @@ class AwqExperts(nn.Module):
     32) and at most :data:`GROUPED_MAX_PAIRS` pairs, gate_up and down are one grouped GEMV
     launch each (gate_up reads the hidden rows of its pairs in place, outputs are per pair)
     and the top-k sum is taken in float32: no host sync, so CUDA graphs and
-    ``torch.compile(fullgraph=True)`` capture it. Otherwise (prefill, dense projections,
-    CPU) the experts run one by one after the per-expert counts are read back.
+    ``torch.compile(fullgraph=True)`` capture it. On an sm_90 GPU, with more than
+    :data:`GROUPED_WG_MIN_SHARE` pairs per expert (batched decode, prefill: any size), the
+    same two launches run the grouped form on tensor cores (:data:`GROUPED_WG`), where both
+    projections' shapes allow it. Otherwise (dense projections, other GPUs and shapes past
+    :data:`GROUPED_MAX_PAIRS`, CPU) the experts run one by one after the per-expert counts
+    are read back.
     """
 
     def __init__(
@@ -949,30 +993,37 @@ class AwqExperts(nn.Module):
             decode_tiles=False,
         )
 
-    def _grouped_ok(self, hidden_states: torch.Tensor, pairs: int) -> bool:
-        """Whether this call takes the grouped CUDA GEMV (see :data:`GROUPED_MAX_PAIRS`):
-        both projections quantized, a power-of-two group and out-features multiples of 32
-        (the kernel's), and few enough pairs."""
-        g = self.group_size
-        return (
-            hidden_states.is_cuda
-            and self.quantized_gate_up
-            and self.quantized_down
-            and 0 < pairs <= GROUPED_MAX_PAIRS
-            and g & (g - 1) == 0
-            and (2 * self.intermediate_dim) % 32 == 0
-            and self.hidden_dim % 32 == 0
-        )
+    def _grouped_rows(self, hidden_states: torch.Tensor, t: int, pairs: int) -> int | None:
+        """Rows per segment of the grouped launches for this call, or None for the per-expert
+        loop: the tensor-core form's (:func:`moe_wg_rows`) past
+        :data:`GROUPED_WG_MIN_SHARE` pairs per expert where :func:`grouped_wg_ok` holds for
+        both projections, else the SIMT GEMV's (:func:`moe_rows`) up to
+        :data:`GROUPED_MAX_PAIRS` pairs (a power-of-two group, out-features multiples of 32).
+        Both projections must be quantized."""
+        if not (hidden_states.is_cuda and self.quantized_gate_up and self.quantized_down and pairs > 0):
+            return None
+        e, h, i, g = self.num_experts, self.hidden_dim, self.intermediate_dim, self.group_size
+        if GROUPED_WG and pairs > GROUPED_WG_MIN_SHARE * e:
+            dev = hidden_states.device
+            if grouped_wg_ok(dev, h, 2 * i, g) and grouped_wg_ok(dev, i, h, g):
+                return moe_wg_rows(pairs, e)
+        if pairs <= GROUPED_MAX_PAIRS and g & (g - 1) == 0 and (2 * i) % 32 == 0 and h % 32 == 0:
+            return moe_rows(t, pairs, e)
+        return None
 
     def _forward_grouped(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """Both projections through the grouped GEMV: two launches for all experts, the
-        segment table built on the GPU, nothing read back (CUDA-graph safe)."""
-        t, h = hidden_states.shape
-        k = top_k_index.shape[-1]
+        """Both projections through the grouped launches, segments of at most ``rows`` rows
+        (default: the SIMT GEMV's, :func:`moe_rows`): two launches for all experts, the segment
+        table built on the GPU, nothing read back (CUDA-graph safe)."""
         e, g = self.num_experts, self.group_size
-        rows = moe_rows(t, t * k, e)
+        if rows is None:
+            rows = moe_rows(hidden_states.shape[0], top_k_index.numel(), e)
         order, tokens, segments = moe_route(top_k_index, e, rows)  # tokens: of each sorted pair
         if hidden_states.is_cuda and not torch.compiler.is_compiling():
             gemv = _cuda_moe_gemv  # eager: no dispatcher round trip
@@ -1006,8 +1057,9 @@ class AwqExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self._grouped_ok(hidden_states, top_k_index.numel()):
-            return self._forward_grouped(hidden_states, top_k_index, top_k_weights)
+        rows = self._grouped_rows(hidden_states, hidden_states.shape[0], top_k_index.numel())
+        if rows is not None:
+            return self._forward_grouped(hidden_states, top_k_index, top_k_weights, rows)
         # float32 accumulator: exact-er sums, and CPU index_add_ in bf16 is ~10x slower
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         k = top_k_index.shape[-1]
