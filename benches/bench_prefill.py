@@ -3,7 +3,9 @@ batch x seqlen tokens (no KV cache, the shape of ``forge.evaluate``'s windows an
 prompt's prefill) through ``forge.load_quantized`` (W4A16), with the runtime's dense route
 (``forge.runtime.DENSE_ROUTE``: calls of ``DENSE_MIN_ROWS`` rows or more dequantize, then
 cuBLAS) off and at each ``--min-rows`` threshold, against the bf16 original in the same
-process: the data behind ``DENSE_MIN_ROWS``.
+process: the data behind ``DENSE_MIN_ROWS``. A MoE model also gets a row field with its
+experts run one by one (``forge.runtime.GROUPED_WG = False``) instead of the grouped
+tensor-core form.
 
     python benches/bench_prefill.py FORGED_DIR ORIG_DIR [--shapes 1x512 1x2048 4x2048]
         [--min-rows 1024 2048 4096 8192] [--json out.json]
@@ -41,22 +43,22 @@ def forward_seconds(model, ids: torch.Tensor, reps: int = 5) -> float:
     return times[len(times) // 2]
 
 
-def timed(model, ids: torch.Tensor, route: bool, min_rows: int | None = None):
-    """(seconds a forward, float32 logits) of the W4A16 ``model`` with
-    ``forge.runtime.DENSE_ROUTE = route`` (and ``DENSE_MIN_ROWS = min_rows`` if given),
-    both restored after."""
+def timed(model, ids: torch.Tensor, **settings):
+    """(seconds a forward, float32 logits) of the W4A16 ``model`` with ``forge.runtime``'s
+    module settings (``DENSE_ROUTE``, ``DENSE_MIN_ROWS``, ``GROUPED_WG``) set as given, and
+    restored after."""
     from forge import runtime
 
-    saved = runtime.DENSE_ROUTE, runtime.DENSE_MIN_ROWS
-    runtime.DENSE_ROUTE = route
-    if min_rows is not None:
-        runtime.DENSE_MIN_ROWS = min_rows
+    saved = {name: getattr(runtime, name) for name in settings}
+    for name, value in settings.items():
+        setattr(runtime, name, value)
     try:
         t = forward_seconds(model, ids)
         with torch.no_grad():
             return t, model(input_ids=ids, use_cache=False).logits.float()
     finally:
-        runtime.DENSE_ROUTE, runtime.DENSE_MIN_ROWS = saved
+        for name, value in saved.items():
+            setattr(runtime, name, value)
 
 
 def main() -> None:
@@ -89,6 +91,7 @@ def main() -> None:
     w4, _ = forge.load_quantized(args.forged, device="cuda", tokenizer=False, decode=False)
     bf16 = AutoModelForCausalLM.from_pretrained(args.original, dtype=torch.bfloat16).cuda().eval()
     vocab = bf16.config.vocab_size
+    moe = any(isinstance(m, forge.runtime.AwqExperts) for m in w4.modules())
     for shape in args.shapes:
         batch, seqlen = (int(v) for v in shape.split("x"))
         ids = torch.randint(0, vocab, (batch, seqlen), generator=torch.Generator().manual_seed(0)).cuda()
@@ -96,10 +99,18 @@ def main() -> None:
         try:
             tokens = batch * seqlen
             row["bf16_tok_s"] = tokens / forward_seconds(bf16, ids)
-            t_fused, fused = timed(w4, ids, False)
+            t_fused, fused = timed(w4, ids, DENSE_ROUTE=False)
             row["w4a16_fused_tok_s"] = tokens / t_fused
+            if moe:
+                # the experts one by one after reading the counts back, instead of the grouped
+                # tensor-core form
+                t_loop, loop = timed(w4, ids, DENSE_ROUTE=False, GROUPED_WG=False)
+                row["w4a16_moe_loop_tok_s"] = tokens / t_loop
+                row["grouped_vs_moe_loop"] = t_loop / t_fused
+                row["moe_loop_logits_max_abs_diff"] = float((loop - fused).abs().max())
+                del loop
             for rows_min in args.min_rows:
-                t, routed = timed(w4, ids, True, rows_min)
+                t, routed = timed(w4, ids, DENSE_ROUTE=True, DENSE_MIN_ROWS=rows_min)
                 row[f"w4a16_route{rows_min}_tok_s"] = tokens / t
                 row[f"route{rows_min}_vs_fused"] = t_fused / t
                 # the same weights either way: the logits differ only by the GEMMs' summation

@@ -16,11 +16,15 @@ adds eager generate rows (``disable_compile=True``).
 
 MoE layer (CUDA, ``--moe-micro``): one AwqExperts layer of the bench's DeepSeek-V3-like MoE
 (64 experts, hidden 2048, expert 1408, top-6, G = 128, bf16) at T tokens, through the grouped
-GEMV (``grouped``: eager and inside a CUDA graph), through the per-expert loop (``loop``,
-``GROUPED_MAX_PAIRS = 0``; eager only, it reads the counts back) and, as the peer, the same
-layer in bf16 (the dequantized weights) as a loop of bf16 matmuls (``bf16 loop``): the data behind
-``forge.runtime.GROUPED_MAX_PAIRS``. W4A16 decode rows of a model with AwqExperts say which
-path its experts take (``moe_path``: grouped while batch * top_k <= GROUPED_MAX_PAIRS).
+GEMV (``grouped``: eager and inside a CUDA graph; up to 4096 pairs), through its tensor-core
+form (``grouped_wg``, sm_90, ``GROUPED_WG_MIN_SHARE = 0``: the same two launches, segments of
+16-128 rows), through the per-expert loop (``loop``, ``GROUPED_MAX_PAIRS = 0``, ``GROUPED_WG =
+False``; eager only, it reads the counts back) and, as the peers, the same layer in bf16 (the
+dequantized weights) as a loop of bf16 matmuls (``bf16 loop``) and as two
+``torch._grouped_mm`` calls (``bf16 grouped_mm``), T = 1 to 16384: the data behind
+``forge.runtime.GROUPED_MAX_PAIRS`` and ``GROUPED_WG_MIN_SHARE``. W4A16 decode rows of a
+model with AwqExperts say which path its experts take (``moe_path``: ``grouped``,
+``grouped_wg`` or ``loop``).
 
 Micro (CUDA, ``--micro``): M = 1 bf16 activations, K x N = 4096 x 4096 and 7168 x 2048
 (in_features x out_features), G = 128. ``eager_us``: wall time per call of back-to-back
@@ -131,16 +135,19 @@ def run_model(args) -> None:
         model = load_reference(args.original, device=args.device)[0]
     model = model.eval()
     vocab = model.config.get_text_config().vocab_size
-    cuda = args.device.startswith("cuda")
     top_k = moe_top_k(model)
+    from forge.runtime import GROUPED_WG_ROWS, AwqExperts
+
+    experts = next((m for m in model.modules() if isinstance(m, AwqExperts)), None)
     for batch in args.batch:
         row = {"bench": "decode", "model": name, "mode": mode, "device": args.device, "batch": batch}
         row["new_tokens"] = args.new_tokens
-        if top_k:
-            from forge import runtime
-
-            grouped = cuda and batch * top_k <= runtime.GROUPED_MAX_PAIRS
-            row["moe_path"] = "grouped" if grouped else "loop"
+        if top_k and experts is not None:
+            x = torch.empty(batch, experts.hidden_dim, device=args.device)
+            rows = experts._grouped_rows(x, batch, batch * top_k)
+            row["moe_path"] = (
+                "loop" if rows is None else "grouped_wg" if rows in GROUPED_WG_ROWS else "grouped"
+            )
         try:
             if mode == "graph_step":
                 rate = graph_step_rate(model, batch, args.new_tokens, vocab)
@@ -196,29 +203,60 @@ def run_moe_micro(args) -> None:
         deq = torch.stack([forge.dequantize_awq(*(t[j] for t in parts), g) for j in range(e)])
         getattr(bf16, f"{prefix}_proj").copy_(deq.to(torch.bfloat16))
     mod, bf16 = mod.cuda(), bf16.cuda()
-    default = runtime.GROUPED_MAX_PAIRS
-    for tokens in (1, 2, 4, 8, 16, 32, 64, 256):
+    w_gu, w_dn = bf16.gate_up_proj, bf16.down_proj  # (E, 2I, H), (E, H, I)
+    # impl -> the runtime settings that send every call of AwqExperts down one path
+    settings = {
+        "grouped": {"GROUPED_MAX_PAIRS": 1 << 30, "GROUPED_WG": False},
+        "grouped_wg": {"GROUPED_WG": True, "GROUPED_WG_MIN_SHARE": 0},
+        "loop": {"GROUPED_MAX_PAIRS": 0, "GROUPED_WG": False},
+    }
+    default = {name: getattr(runtime, name) for d in settings.values() for name in d}
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 16384):
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(tokens, e, generator=gen).cuda()
         w, idx = torch.topk(logits.softmax(-1), top_k, dim=-1)
         ref = bf16(x, idx, w).float()
-        for impl in ("grouped", "loop", "bf16 loop"):
+        calls = 200 if tokens <= 256 else 20
+        for impl in ("grouped", "grouped_wg", "loop", "bf16 loop", "bf16 grouped_mm"):
+            if impl == "grouped" and tokens * top_k > 4 * 1024:
+                continue  # the SIMT GEMV re-reads an expert's weights every 4 rows
             row = {"bench": "moe_layer", "impl": impl, "tokens": tokens, "pairs": tokens * top_k}
             row.update({"experts": e, "hidden": h, "intermediate": i, "group_size": g})
-            runtime.GROUPED_MAX_PAIRS = 1 << 30 if impl == "grouped" else 0
+            for name, value in settings.get(impl, {}).items():
+                setattr(runtime, name, value)
             layer = bf16 if impl == "bf16 loop" else mod
             try:
-                fn = lambda x, layer=layer: layer(x, idx, w)  # noqa: E731
-                row["eager_us"] = round(_time_eager(fn, x, calls=200), 2)
-                if impl == "grouped":
-                    row["graph_us"] = round(_time_graph(fn, x, inner=16), 2)
+                if impl == "bf16 grouped_mm":
+                    fn = lambda x: _grouped_mm_moe(x, idx, w, w_gu, w_dn)  # noqa: E731
+                else:
+                    fn = lambda x, layer=layer: layer(x, idx, w)  # noqa: E731
+                row["eager_us"] = round(_time_eager(fn, x, calls=calls), 2)
+                if impl in ("grouped", "grouped_wg"):
+                    row["graph_us"] = round(_time_graph(fn, x, inner=16 if tokens <= 256 else 2), 2)
                 row["max_rel_err_vs_bf16"] = float((fn(x).float() - ref).abs().max() / ref.abs().max())
             except Exception as ex:
                 row["error"] = f"{type(ex).__name__}: {ex}"[:500]
             finally:
-                runtime.GROUPED_MAX_PAIRS = default
+                for name, value in default.items():
+                    setattr(runtime, name, value)
             row["gpu"] = torch.cuda.get_device_name()
             _emit(row)
+
+
+def _grouped_mm_moe(x, idx, w, w_gu, w_dn):
+    """The bf16 peer the way grouped-GEMM MoE layers run (transformers' ``grouped_mm`` experts):
+    pairs sorted by expert, each projection one ``torch._grouped_mm`` over the experts' row
+    ranges, the top-k sum in float32. Routing stays on the GPU (no host read)."""
+    e, k = w_gu.shape[0], idx.shape[-1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+    xs = x.index_select(0, order // k)
+    gate, up = torch._grouped_mm(xs, w_gu.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    ys = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w_dn.transpose(-2, -1), offs=offs)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, order // k, ys.float() * w.reshape(-1)[order, None])
+    return out.to(x.dtype)
 
 
 def _time_eager(fn, x, calls: int = 2000) -> float:

@@ -5,8 +5,9 @@
 # Built in bf16, forged to AWQ g128 (RTN on the GPU), then bench_runtime.py: W4A16 through
 # forge.load_quantized vs bf16, batch 1 and 16, CUDA graphs where they capture, then eager (dense
 # also: the per-call AwqLinear vs nn.Linear rows; moe also: one AwqExperts layer, grouped GEMV vs
-# per-expert loop, T = 1..64), then bench_prefill.py (one forward of 512-8192 tokens, the
-# runtime's dense route on and off, against bf16). Rows are appended to
+# per-expert loop and its tensor-core form, T = 1..16384), then bench_prefill.py (one forward of
+# 512-8192 tokens, the runtime's dense route on and off, MoE: the experts' grouped tensor-core
+# form against their loop, against bf16). Rows are appended to
 # $OUT/results-<gpu>-runtime[-moe].json as measured; a mode that fails is recorded with its error.
 # Needs the wheel installed (PYTHONPATH) as in gpu_suite.sh.
 set -euo pipefail
@@ -27,7 +28,8 @@ else:
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)
 torch.manual_seed(0)
-m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+with torch.device("cuda"):  # built on the GPU: the MoE model's 4B parameters initialise in seconds
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
 if sys.argv[2] == "moe":  # transformers leaves fused expert tensors uninitialised
     with torch.no_grad():
         for p in m.parameters():
