@@ -377,10 +377,10 @@ GROUPED_MAX_PAIRS = 384
 #: :data:`GROUPED_WG_MIN_SHARE` pairs per expert: nothing read back at any size, so prefill
 #: captures into CUDA graphs too. On an H200 (``benches/results-h200-runtime-moe.json``, 64
 #: experts of 1408, hidden 2048, top-6, in a CUDA graph) it ties the SIMT GEMV at 96 pairs
-#: (170 against 163 µs), wins from 192 (198 against 243 µs; 201 against 384 at 384 pairs),
-#: and from 1024 tokens on is 1.14-1.38x the bf16 layer as two ``torch._grouped_mm`` calls and
-#: 3.6-20x the per-expert loop. False: the SIMT GEMV up to :data:`GROUPED_MAX_PAIRS`, the loop
-#: past it.
+#: (170 against 163 µs), wins from 192 (198 against 243 µs; 200 against 384 at 384 pairs),
+#: and from 1024 tokens on is, eager against eager, 1.12-1.27x the bf16 layer as two
+#: ``torch._grouped_mm`` calls and 2.7-18x the per-expert loop. False: the SIMT GEMV up to
+#: :data:`GROUPED_MAX_PAIRS`, the loop past it.
 GROUPED_WG = True
 #: Pairs per expert (on average) past which the tensor-core form takes over from the SIMT GEMV.
 GROUPED_WG_MIN_SHARE = 2
