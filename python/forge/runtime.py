@@ -1005,8 +1005,11 @@ class AwqExperts(nn.Module):
         e, h, i, g = self.num_experts, self.hidden_dim, self.intermediate_dim, self.group_size
         if GROUPED_WG and pairs > GROUPED_WG_MIN_SHARE * e:
             dev = hidden_states.device
-            if grouped_wg_ok(dev, h, 2 * i, g) and grouped_wg_ok(dev, i, h, g):
-                return moe_wg_rows(pairs, e)
+            rows = moe_wg_rows(pairs, e)
+            # (past ~8M pairs the segment table outgrows the launch's grid: the loop)
+            fits = moe_max_segments(pairs, e, rows) <= _native.GROUPED_MAX_SEGMENTS
+            if fits and grouped_wg_ok(dev, h, 2 * i, g) and grouped_wg_ok(dev, i, h, g):
+                return rows
         if pairs <= GROUPED_MAX_PAIRS and g & (g - 1) == 0 and (2 * i) % 32 == 0 and h % 32 == 0:
             return moe_rows(t, pairs, e)
         return None

@@ -22,6 +22,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "MOE_COMBINE_MAX_TOKENS",
         forge_cuda::ops::MOE_COMBINE_MAX_TOKENS,
     )?;
+    m.add(
+        "GROUPED_MAX_SEGMENTS",
+        forge_cuda::ops::GROUPED_MAX_SEGMENTS,
+    )?;
     m.add_function(wrap_pyfunction!(ops::build_quant_grid, m)?)?;
     m.add_function(wrap_pyfunction!(ops::quantize_rtn, m)?)?;
     m.add_function(wrap_pyfunction!(ops::encode_qmeta, m)?)?;
