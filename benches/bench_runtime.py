@@ -15,7 +15,7 @@ step over a StaticCache (no generate loop: the models' own decode speed); ``--ea
 adds eager generate rows (``disable_compile=True``).
 
 MoE layer (CUDA, ``--moe-micro``): one AwqExperts layer of the bench's DeepSeek-V3-like MoE
-(64 experts, hidden 2048, expert 1408, top-6, G = 128, bf16) at T tokens, through the grouped
+(``--moe-shape``, default 64 experts, hidden 2048, expert 1408, top-6; G = 128, bf16) at T tokens, through the grouped
 GEMV (``grouped``: eager and inside a CUDA graph; up to 4096 pairs), through its tensor-core
 form (``grouped_wg``, sm_90, ``GROUPED_WG_MIN_SHARE = 0``: the same two launches, segments of
 16-128 rows), through the per-expert loop (``loop``, ``GROUPED_MAX_PAIRS = 0``, ``GROUPED_WG =
@@ -185,24 +185,31 @@ def run_moe_micro(args) -> None:
     from forge import runtime
     from forge.runtime import AwqExperts
 
-    e, h, i, g, top_k = 64, 2048, 1408, 128, 6
-    gen = torch.Generator().manual_seed(0)
-    mod = AwqExperts(e, h, i, g, "silu", dtype=torch.bfloat16)
+    e, h, i, top_k = (int(v) for v in args.moe_shape.split("x"))
+    g = 128
+    # built on the GPU: DeepSeek-V3's 256 experts of 2048 (hidden 7168) are 2.8 GB of words
+    gen = torch.Generator("cuda").manual_seed(0)
+    mod = AwqExperts(e, h, i, g, "silu", dtype=torch.bfloat16, device="cuda")
     for prefix, (k, n) in (("gate_up", (h, 2 * i)), ("down", (i, h))):
         for part, shape in (("qweight", (e, k, n // 8)), ("qzeros", (e, k // g, n // 8))):
-            t = torch.randint(-(2**31), 2**31, shape, generator=gen, dtype=torch.int64).to(torch.int32)
-            getattr(mod, f"{prefix}_{part}").copy_(t)
+            words = getattr(mod, f"{prefix}_{part}")
+            words.copy_(
+                torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, device="cuda", dtype=torch.int32)
+            )
         getattr(mod, f"{prefix}_scales").copy_(
-            (torch.rand(e, k // g, n, generator=gen) * 0.02 + 0.001).half()
+            (torch.rand(e, k // g, n, generator=gen, device="cuda") * 0.02 + 0.001).half()
         )
     # The peer: the same layer in bf16 (the dequantized weights), as a loop of bf16 matmuls over
     # the experts that got tokens (AwqExperts' own loop with unquantized projections).
-    bf16 = AwqExperts(e, h, i, g, "silu", quantized_gate_up=False, quantized_down=False, dtype=torch.bfloat16)
+    bf16 = AwqExperts(
+        e, h, i, g, "silu", quantized_gate_up=False, quantized_down=False, dtype=torch.bfloat16, device="cuda"
+    )
     for prefix in ("gate_up", "down"):
         parts = [getattr(mod, f"{prefix}_{p}") for p in ("qweight", "qzeros", "scales")]
-        deq = torch.stack([forge.dequantize_awq(*(t[j] for t in parts), g) for j in range(e)])
-        getattr(bf16, f"{prefix}_proj").copy_(deq.to(torch.bfloat16))
-    mod, bf16 = mod.cuda(), bf16.cuda()
+        proj = getattr(bf16, f"{prefix}_proj")
+        for j in range(e):
+            proj[j].copy_(forge.dequantize_awq(*(t[j] for t in parts), g).to(torch.bfloat16))
+    gen = torch.Generator().manual_seed(0)
     w_gu, w_dn = bf16.gate_up_proj, bf16.down_proj  # (E, 2I, H), (E, H, I)
     # impl -> the runtime settings that send every call of AwqExperts down one path
     settings = {
@@ -221,7 +228,7 @@ def run_moe_micro(args) -> None:
             if impl == "grouped" and tokens * top_k > 4 * 1024:
                 continue  # the SIMT GEMV re-reads an expert's weights every 4 rows
             row = {"bench": "moe_layer", "impl": impl, "tokens": tokens, "pairs": tokens * top_k}
-            row.update({"experts": e, "hidden": h, "intermediate": i, "group_size": g})
+            row.update({"experts": e, "hidden": h, "intermediate": i, "top_k": top_k, "group_size": g})
             for name, value in settings.get(impl, {}).items():
                 setattr(runtime, name, value)
             layer = bf16 if impl == "bf16 loop" else mod
@@ -340,6 +347,11 @@ def main() -> None:
     p.add_argument("--micro", action="store_true", help="also the per-call AwqLinear vs nn.Linear rows")
     p.add_argument("--micro-only", action="store_true")
     p.add_argument("--moe-micro", action="store_true", help="also one AwqExperts layer: grouped vs loop")
+    p.add_argument(
+        "--moe-shape",
+        default="64x2048x1408x6",
+        help="the --moe-micro layer: EXPERTSxHIDDENxINTERMEDIATExTOP_K (DeepSeek-V3: 256x7168x2048x8)",
+    )
     p.add_argument(
         "--models",
         nargs="+",
