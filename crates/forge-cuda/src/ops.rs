@@ -2893,6 +2893,32 @@ mod tests {
             }),
             "expert_strides[0] (qweight)"
         );
+        // The tensor-core rows: N % 128, K and G % 64 (G need not be a power of two), and
+        // every expert's zero points on a 16-byte boundary.
+        let wg = GroupedGemv { rows: 64, ..a };
+        assert!(wg.validate().is_ok());
+        let (k, n, g) = (576, 384, 192);
+        let wg192 = GroupedGemv {
+            k,
+            n,
+            group_size: g,
+            expert_strides: GroupedGemv::dense_strides(k, n, g),
+            ..wg
+        };
+        assert!(wg192.validate().is_ok());
+        assert_eq!(bad(GroupedGemv { n: 448, ..wg }), "(n, k, group_size)");
+        assert_eq!(bad(GroupedGemv { k: 288, ..wg }), "(n, k, group_size)");
+        assert_eq!(bad(GroupedGemv { qzeros: 260, ..wg }), "qzeros");
+        let mut st = wg.expert_strides;
+        st[1] += 2; // the next expert's zero points off a 16-byte boundary
+        assert_eq!(
+            bad(GroupedGemv {
+                expert_strides: st,
+                ..wg
+            }),
+            "expert_strides[1] (qzeros)"
+        );
+        assert_eq!(bad(GroupedGemv { rows: 8, ..a }), "rows");
         // The launch itself rejects them too, whatever the machine.
         let r = unsafe { w4a16_grouped_gemv_awq(&GroupedGemv { rows: 3, ..a }, Stream::default()) };
         assert!(matches!(
