@@ -144,7 +144,7 @@ def run_model(args) -> None:
         row["new_tokens"] = args.new_tokens
         if top_k and experts is not None:
             x = torch.empty(batch, experts.hidden_dim, device=args.device)
-            rows = experts._grouped_rows(x, batch, batch * top_k)
+            rows = experts._grouped_rows(x, batch * top_k)
             row["moe_path"] = (
                 "loop" if rows is None else "grouped_wg" if rows in GROUPED_WG_ROWS else "grouped"
             )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forge.runtime import AwqExperts, AwqLinear, cpu_int4_supported, moe_max_segments, moe_segments
+from forge.runtime import AwqExperts, AwqLinear, cpu_int4_supported, moe_max_segments, moe_rows, moe_segments
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
@@ -297,7 +297,7 @@ def test_awq_experts_off_cuda_takes_no_grouped_launch():
     """On the CPU every call runs the per-expert loop, whatever the pair count."""
     mod = random_experts(16, 64, 32, 32)
     x = torch.randn(100, 64)
-    assert mod._grouped_rows(x, 100, 6) is None and mod._grouped_rows(x, 100, 600) is None
+    assert mod._grouped_rows(x, 6) is None and mod._grouped_rows(x, 600) is None
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
@@ -323,14 +323,15 @@ def test_awq_experts_grouped_algorithm_matches_loop(tokens, top_k):
     idx, w = routing(tokens, top_k, e)
     x = torch.randn(tokens, h)
     loop = mod(x, idx, w)  # CPU: the loop
-    grouped = mod._forward_grouped(x, idx, w)
+    rows = moe_rows(tokens, tokens * top_k, e)  # the SIMT GEMV's segments
+    grouped = mod._forward_grouped(x, idx, w, rows)
     assert grouped.shape == x.shape and grouped.dtype == x.dtype
     assert rel_err(grouped, loop) < TOL[torch.float32]
     # a masked id contributes nothing even with a non-finite weight
     w2 = w.clone()
     if tokens > 1:
         w2[1, -1] = float("nan")
-        assert torch.isfinite(mod._forward_grouped(x, idx, w2)).all()
+        assert torch.isfinite(mod._forward_grouped(x, idx, w2, rows)).all()
 
 
 def test_awq_moe_gemv_opcheck_and_compile():
@@ -352,7 +353,8 @@ def test_awq_moe_gemv_opcheck_and_compile():
     for tokens in (5, 1, 16, 3):  # new token counts: recompiles, then a dynamic-shape graph
         idx, w = routing(tokens, 4, e, seed=tokens)
         x = torch.randn(tokens, h)
-        assert rel_err(compiled(x, idx, w), mod(x, idx, w)) < TOL[torch.float32]
+        rows = moe_rows(tokens, tokens * 4, e)
+        assert rel_err(compiled(x, idx, w, rows), mod(x, idx, w)) < TOL[torch.float32]
 
 
 @pytest.mark.cuda

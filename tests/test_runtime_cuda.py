@@ -472,9 +472,9 @@ def test_awq_experts_prefill_takes_the_tensor_core_form(tokens, top_k, dtype, mo
     assert rel_err(loop, ref) < 2 * TOL[dtype]
     # a segment table taller than the launch's grid takes the loop
     monkeypatch.setattr("forge.runtime.GROUPED_WG", True)
-    assert mod._grouped_rows(x, tokens, tokens * top_k) == rows
+    assert mod._grouped_rows(x, tokens * top_k) == rows
     monkeypatch.setattr(runtime._native, "GROUPED_MAX_SEGMENTS", 1)
-    assert mod._grouped_rows(x, tokens, tokens * top_k) is None
+    assert mod._grouped_rows(x, tokens * top_k) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -386,8 +386,8 @@ GROUPED_MAX_PAIRS = 384
 GROUPED_WG = True
 #: Pairs per expert (on average) past which the tensor-core form takes over from the SIMT GEMV.
 GROUPED_WG_MIN_SHARE = 2
-#: The grouped form's rows per segment (its token tiles).
-GROUPED_WG_ROWS = (16, 32, 64, 128)
+#: The grouped form's rows per segment (its token tiles: ``forge_cuda::ops::GROUPED_WG_ROWS``).
+GROUPED_WG_ROWS = tuple(_native.GROUPED_WG_ROWS)
 # (device, N, K, G) -> whether the grouped form runs on tensor cores there
 _GROUPED_WG_OK: dict[tuple[int, int, int, int], bool] = {}
 # split-K scratch bytes per (device, rows, pairs, segments, N, K, G)
@@ -995,7 +995,7 @@ class AwqExperts(nn.Module):
             decode_tiles=False,
         )
 
-    def _grouped_rows(self, hidden_states: torch.Tensor, t: int, pairs: int) -> int | None:
+    def _grouped_rows(self, hidden_states: torch.Tensor, pairs: int) -> int | None:
         """Rows per segment of the grouped launches for this call, or None for the per-expert
         loop: the tensor-core form's (:func:`moe_wg_rows`) past
         :data:`GROUPED_WG_MIN_SHARE` pairs per expert where :func:`grouped_wg_ok` holds for
@@ -1013,7 +1013,7 @@ class AwqExperts(nn.Module):
             if fits and grouped_wg_ok(dev, h, 2 * i, g) and grouped_wg_ok(dev, i, h, g):
                 return rows
         if pairs <= GROUPED_MAX_PAIRS and g & (g - 1) == 0 and (2 * i) % 32 == 0 and h % 32 == 0:
-            return moe_rows(t, pairs, e)
+            return moe_rows(hidden_states.shape[0], pairs, e)
         return None
 
     def _forward_grouped(
@@ -1021,14 +1021,12 @@ class AwqExperts(nn.Module):
         hidden_states: torch.Tensor,
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
-        rows: int | None = None,
+        rows: int,
     ) -> torch.Tensor:
         """Both projections through the grouped launches, segments of at most ``rows`` rows
-        (default: the SIMT GEMV's, :func:`moe_rows`): two launches for all experts, the segment
-        table built on the GPU, nothing read back (CUDA-graph safe)."""
+        (:meth:`_grouped_rows`): two launches for all experts, the segment table built on the
+        GPU, nothing read back (CUDA-graph safe)."""
         e, g = self.num_experts, self.group_size
-        if rows is None:
-            rows = moe_rows(hidden_states.shape[0], top_k_index.numel(), e)
         order, tokens, segments = moe_route(top_k_index, e, rows)  # tokens: of each sorted pair
         if hidden_states.is_cuda and not torch.compiler.is_compiling():
             gemv = _cuda_moe_gemv  # eager: no dispatcher round trip
@@ -1062,7 +1060,7 @@ class AwqExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        rows = self._grouped_rows(hidden_states, hidden_states.shape[0], top_k_index.numel())
+        rows = self._grouped_rows(hidden_states, top_k_index.numel())
         if rows is not None:
             return self._forward_grouped(hidden_states, top_k_index, top_k_weights, rows)
         # float32 accumulator: exact-er sums, and CPU index_add_ in bf16 is ~10x slower

@@ -1939,9 +1939,20 @@ fn grouped_plan_for(
 ) -> Result<Cached<GroupedPlan>> {
     type Key = (usize, DType, usize, usize, usize, usize, usize);
     static PLANS: PlanCache<Key, GroupedPlan> = OnceLock::new();
-    let key = (dev.ordinal, act, rows, segments, n, k, group_size);
+    let wg = check_grouped_rows(rows)?;
+    // The tensor-core form's plan does not depend on the table's height (one block row a
+    // segment): one entry for every prefill length.
+    let key = (
+        dev.ordinal,
+        act,
+        rows,
+        if wg { 0 } else { segments },
+        n,
+        k,
+        group_size,
+    );
     cached_plan(&PLANS, key, || {
-        if check_grouped_rows(rows)? {
+        if wg {
             if dev.cc != (9, 0) {
                 return Err(CudaError::arg(
                     "rows",

@@ -930,10 +930,40 @@ fn w4a16_grouped_gemv_matches_cpu() {
 fn w4a16_grouped_wg_matches_cpu() {
     assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
     if !ops::grouped_wg_ok(0, 256, 512, 128).unwrap() {
-        // Not an sm_90 GPU: the tensor-core rows are refused with an error, not launched.
-        let err = ops::w4a16_grouped_workspace_bytes(0, 16, 8, 8, 256, 512, 128);
-        assert_eq!(err.unwrap(), 0, "the tensor-core form never splits K");
-        eprintln!("skipping the tensor-core grouped form: not an sm_90 GPU");
+        // Not an sm_90 GPU: the tensor-core rows are refused with an error naming `rows`
+        // before anything is launched (the buffers are never read).
+        let buf = DeviceBuf::zeroed(0, 256).unwrap();
+        let (k, n, g) = (512, 256, 128);
+        let a = ops::GroupedGemv {
+            x: buf.ptr(),
+            act: DType::Bf16,
+            x_rows: buf.ptr(),
+            out_rows: buf.ptr(),
+            pairs: 8,
+            segments: buf.ptr(),
+            num_segments: 8,
+            rows: 16,
+            experts: 8,
+            k,
+            n,
+            group_size: g,
+            qweight: buf.ptr(),
+            qzeros: buf.ptr(),
+            scales: buf.ptr(),
+            expert_strides: ops::GroupedGemv::dense_strides(k, n, g),
+            y: buf.ptr(),
+            workspace: 0,
+            workspace_bytes: 0,
+        };
+        let err = unsafe { ops::w4a16_grouped_gemv_awq(&a, S) }.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                forge_cuda::CudaError::InvalidArgument { name: "rows", .. }
+            ),
+            "{err}"
+        );
+        eprintln!("the tensor-core grouped form refused off sm_90: {err}");
         return;
     }
     // Shapes the other way round are refused before the driver is touched.

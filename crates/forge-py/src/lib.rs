@@ -26,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "GROUPED_MAX_SEGMENTS",
         forge_cuda::ops::GROUPED_MAX_SEGMENTS,
     )?;
+    m.add("GROUPED_WG_ROWS", forge_cuda::ops::GROUPED_WG_ROWS.to_vec())?;
     m.add_function(wrap_pyfunction!(ops::build_quant_grid, m)?)?;
     m.add_function(wrap_pyfunction!(ops::quantize_rtn, m)?)?;
     m.add_function(wrap_pyfunction!(ops::encode_qmeta, m)?)?;
