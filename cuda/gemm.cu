@@ -68,12 +68,29 @@ __device__ __forceinline__ void dq_consts(u32 zw, int i, u32 hs, u32& zm, u32& s
     }
 }
 
+// The grouped forms' routing (MoE experts: w4a16_awqg_*, w4a16_wgg_*): blockIdx.y is row y of
+// the segment table (first sorted position, row count <= the kernel's token tile, expert id);
+// sorted position p reads row x_rows[p] of x and writes row out_rows[p] of y, with expert e's
+// tensors e · (ew, ez, es) elements on. A count of 0 does nothing; an expert id outside
+// [0, experts) writes zeros.
+struct GroupedRoute {
+    const int* x_rows;
+    const int* out_rows;
+    const int* segments;
+    i64 ew, ez, es;
+    int experts;
+};
+
 template <int MT> struct GemmStages { static constexpr int value = MT == 1 ? 6 : (MT == 2 ? 5 : 4); };
 
-template <int MT, bool BF>
+// GROUPED (w4a16_awqg_*, MoE experts on any GPU with mma.sync): blockIdx.y is a row of the
+// segment table (see GroupedRoute), its up to BM rows this block's M from row 0 of the tile,
+// gathered through x_rows and written through out_rows; K is not split.
+template <int MT, bool BF, bool GROUPED>
 __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
                                                const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
-                                               int M, int N, int K, int G, int k_chunk, int split_out) {
+                                               int M, int N, int K, int G, int k_chunk, int split_out,
+                                               GroupedRoute route) {
     pdl_launch_dependents();  // the split-K reduction's launch may overlap this grid's tail
     constexpr int BM = 16 * MT;
     constexpr int ST = GemmStages<MT>::value;
@@ -86,7 +103,35 @@ __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const 
     const int g = lane >> 2, tig = lane & 3;
     const int NW = N >> 3;
     const int wc_block = blockIdx.x * GM_BW;
-    const int m0 = blockIdx.y * BM;
+    // Grouped: this block's segment, its rows as M and its expert's tensors (the table is the
+    // previous kernel's output).
+    int first = 0;
+    constexpr int XC = BM >= 32 ? BM / 32 : 1;  // x chunks a thread loads a stage
+    const u16* xrow[GROUPED ? XC : 1];
+    if constexpr (GROUPED) {
+        pdl_wait();
+        const int* seg = route.segments + 3 * blockIdx.y;
+        first = seg[0];
+        M = min(seg[1], BM);
+        const int e = seg[2];
+        if (M <= 0) return;
+        if (e < 0 || e >= route.experts) {
+            for (int i = tid; i < M * 8 * GM_BW; i += 128) {
+                const int n = 8 * wc_block + (i & (8 * GM_BW - 1));
+                if (n < N) ((u16*)out)[(i64)route.out_rows[first + i / (8 * GM_BW)] * N + n] = 0;
+            }
+            return;
+        }
+        qw += e * route.ew;
+        qz += e * route.ez;
+        sc += e * route.es;
+#pragma unroll
+        for (int i = 0; i < XC; i++) {
+            const int row = (tid + 128 * i) >> 2;
+            xrow[i] = row < M ? x + (i64)route.x_rows[first + row] * K : x;
+        }
+    }
+    const int m0 = GROUPED ? 0 : blockIdx.y * BM;
     const int kbeg = blockIdx.z * k_chunk;
     const int kend = min(K, kbeg + k_chunk);
     const int ntiles = (kend - kbeg) / GM_BK;
@@ -102,12 +147,23 @@ __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const 
             const u32* src = ok ? qw + (i64)gk * NW + gwc : qw;
             cp_async16(&Bs[stage][row * GM_BSTRIDE + 4 * ch], src, ok ? 16 : 0);
         }
-        for (int c = tid; c < BM * 4; c += 128) {
-            int row = c >> 2, ch = c & 3;
-            int gm = m0 + row;
-            bool ok = gm < M;
-            const u16* src = ok ? x + (i64)gm * K + k0 + 8 * ch : x;
-            cp_async16(&As[stage][row * GM_ASTRIDE + 8 * ch], src, ok ? 16 : 0);
+        if constexpr (GROUPED) {
+#pragma unroll
+            for (int i = 0; i < XC; i++) {
+                const int c = tid + 128 * i, row = c >> 2, ch = c & 3;
+                if (c < BM * 4) {
+                    const bool ok = row < M;
+                    cp_async16(&As[stage][row * GM_ASTRIDE + 8 * ch], ok ? xrow[i] + k0 + 8 * ch : x, ok ? 16 : 0);
+                }
+            }
+        } else {
+            for (int c = tid; c < BM * 4; c += 128) {
+                int row = c >> 2, ch = c & 3;
+                int gm = m0 + row;
+                bool ok = gm < M;
+                const u16* src = ok ? x + (i64)gm * K + k0 + 8 * ch : x;
+                cp_async16(&As[stage][row * GM_ASTRIDE + 8 * ch], src, ok ? 16 : 0);
+            }
         }
         if (tid < 40) {
             const int grp = k0 / G;
@@ -204,10 +260,11 @@ __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const 
                 if (r < M && wc < NW) {
                     const i64 n = 8 * (i64)wc + awq_col(i);
                     const float v = acc[mt][i][c];
-                    if (split_out) {
+                    if (!GROUPED && split_out) {
                         ((float*)out)[((i64)blockIdx.z * M + r) * N + n] = v;
                     } else {
-                        ((u16*)out)[(i64)r * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                        const i64 row = GROUPED ? (i64)route.out_rows[first + r] : (i64)r;
+                        ((u16*)out)[row * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
                     }
                 }
             }
@@ -215,11 +272,20 @@ __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const 
     }
 }
 
+// The grouped form (MoE experts, any GPU): grid (N / 256, segments), K not split, y written
+// directly; see GroupedRoute.
 #define FORGE_GEMM_ENTRY(SUF, MT, BF)                                                                      \
     extern "C" __global__ void __launch_bounds__(128) w4a16_awq_##SUF##_m##MT(                            \
         const u16* x, const u32* qw, const u32* qz, const u16* sc, void* out, int M, int N, int K, int G,  \
         int k_chunk, int split_out) {                                                                      \
-        w4a16_awq_impl<MT, BF>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out);                         \
+        w4a16_awq_impl<MT, BF, false>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out, GroupedRoute{}); \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) w4a16_awqg_##SUF##_m##MT(                           \
+        const u16* x, const int* x_rows, const int* out_rows, const int* segments, const u32* qw,          \
+        const u32* qz, const u16* sc, i64 ew, i64 ez, i64 es, int experts, void* out, int N, int K,        \
+        int G) {                                                                                           \
+        w4a16_awq_impl<MT, BF, true>(x, qw, qz, sc, out, 0, N, K, G, K, 0,                                  \
+                                     GroupedRoute{x_rows, out_rows, segments, ew, ez, es, experts});       \
     }
 FORGE_GEMM_ENTRY(f16, 1, false)
 FORGE_GEMM_ENTRY(f16, 2, false)
@@ -299,23 +365,11 @@ __device__ __forceinline__ void wg_keep(u32 (&r)[4]) {
 }
 #endif
 
-// The grouped form's routing (MoE experts, w4a16_wgg_*): blockIdx.y is row y of the segment
-// table (first sorted position, row count <= TN, expert id); sorted position p reads row
-// x_rows[p] of x and writes row out_rows[p] of y, with expert e's tensors e · (ew, ez, es)
-// elements on. A count of 0 does nothing; an expert id outside [0, experts) writes zeros.
-struct WgRoute {
-    const int* x_rows;
-    const int* out_rows;
-    const int* segments;
-    i64 ew, ez, es;
-    int experts;
-};
-
 template <bool BF, int TN, bool GROUPED>
 __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u32* __restrict__ qw,
                                               const u32* __restrict__ qz, const u16* __restrict__ sc, void* out,
                                               int M, int N, int K, int G, int k_chunk, int split_out,
-                                              WgRoute route) {
+                                              GroupedRoute route) {
     pdl_launch_dependents();  // the split-K reduction's launch may overlap this grid's tail
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     // Grouped: this block's segment, its rows as M (from row 0 of the tile) and its expert's
@@ -586,17 +640,17 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     extern "C" __global__ void __launch_bounds__(WG_THREADS) w4a16_wg_##SUF##_t##TN(                       \
         const u16* x, const u32* qw, const u32* qz, const u16* sc, void* out, int M, int N, int K, int G,  \
         int k_chunk, int split_out) {                                                                      \
-        w4a16_wg_impl<BF, TN, false>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out, WgRoute{});        \
+        w4a16_wg_impl<BF, TN, false>(x, qw, qz, sc, out, M, N, K, G, k_chunk, split_out, GroupedRoute{});        \
     }
 // The grouped form (MoE experts at prefill): grid (N / 128, segments), K not split, y written
-// directly; see WgRoute.
+// directly; see GroupedRoute.
 #define FORGE_GEMM_WGG_ENTRY(SUF, BF, TN)                                                                  \
     extern "C" __global__ void __launch_bounds__(WG_THREADS) w4a16_wgg_##SUF##_t##TN(                      \
         const u16* x, const int* x_rows, const int* out_rows, const int* segments, const u32* qw,          \
         const u32* qz, const u16* sc, i64 ew, i64 ez, i64 es, int experts, void* out, int N, int K,        \
         int G) {                                                                                           \
         w4a16_wg_impl<BF, TN, true>(x, qw, qz, sc, out, 0, N, K, G, K, WG_OUT_Y,                            \
-                                    WgRoute{x_rows, out_rows, segments, ew, ez, es, experts});             \
+                                    GroupedRoute{x_rows, out_rows, segments, ew, ez, es, experts});             \
     }
 #define FORGE_GEMM_WG_TILES(ENTRY) \
     ENTRY(f16, false, 128)         \

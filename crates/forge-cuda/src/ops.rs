@@ -592,8 +592,11 @@ pub unsafe fn gptq_pack_codes(
 // ---------------------------------------------------------------------------------------
 // (c) W4A16 GEMM
 
+/// Outputs a block, K a stage and threads a block of the mma.sync kernel (cuda/gemm.cu
+/// `GM_BW` word columns, `GM_BK`).
 const GEMM_BN: usize = 256;
 const GEMM_BK: usize = 32;
+const GEMM_THREADS: usize = 128;
 /// Largest shared-memory slice of x the GEMV path stages per block (bytes).
 const GEMV_SMEM: usize = 48 * 1024;
 
@@ -611,8 +614,8 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 }
 
 /// Tuning knobs from the environment, read once per process (never per launch):
-/// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0` (the Hopper wgmma kernel
-/// off: the GEMVs to M = 16, the mma.sync kernel above), `FORGE_GEMM_WG_SPLITS=1..8` (its K
+/// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0` (the Hopper wgmma kernels
+/// off: the GEMVs to M = 16, the mma.sync kernel above; the grouped form's mma.sync kernel), `FORGE_GEMM_WG_SPLITS=1..8` (its K
 /// splits), `FORGE_GEMM_WG_CLUSTER=0|1` (its splits summed through a split-K workspace and
 /// a second kernel, or in a thread block cluster whenever the device can launch one),
 /// `FORGE_GEMM_WG_TOKENS=16|32|64|128` (its tokens a block) and `FORGE_TILED_WARPS=4..32` (the
@@ -621,7 +624,7 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 struct Knobs {
     gemv: Option<usize>,
     gemm_mt: Option<usize>,
-    /// `FORGE_GEMM_WG=0`: the wgmma kernel never runs.
+    /// `FORGE_GEMM_WG=0`: the wgmma kernels (plain and grouped) never run.
     wgmma_off: bool,
     gemm_wg_splits: Option<usize>,
     gemm_wg_cluster: Option<usize>,
@@ -1020,7 +1023,7 @@ fn gemm_plan(
         cluster: false,
         k_chunk: per * GEMM_BK,
         smem: 0,
-        threads: 128,
+        threads: GEMM_THREADS,
         block_n: GEMM_BN,
     }
 }
@@ -1739,21 +1742,55 @@ pub unsafe fn w4a16_gemv_tiled(a: &TiledGemv, s: Stream) -> Result<()> {
 
 /// Rows per segment the grouped GEMV supports (its kernel variants).
 pub const GROUPED_ROWS: [usize; 3] = [1, 2, 4];
-/// Rows per segment of the grouped form on tensor cores (`w4a16_wgg_<dt>_t<rows>`: the Hopper
-/// wgmma kernel, its token tiles, a segment a block; see [`grouped_wg_ok`]).
-pub const GROUPED_WG_ROWS: [usize; 4] = [16, 32, 64, 128];
+/// Rows per segment of the grouped form on tensor cores, a segment a block: on an sm_90 GPU
+/// the wgmma kernel's token tiles (`w4a16_wgg_<dt>_t<rows>`, for the shapes it takes), else
+/// the mma.sync kernel's (`w4a16_awqg_<dt>_m<rows / 16>`, at most [`GROUPED_MMA_MAX_ROWS`]);
+/// see [`grouped_tc_max_rows`].
+pub const GROUPED_TC_ROWS: [usize; 4] = [16, 32, 64, 128];
+/// Most rows per segment of the grouped form's mma.sync kernel (its m16 tiles a block, 1 to 4).
+pub const GROUPED_MMA_MAX_ROWS: usize = 64;
 
-/// Whether device `device_ordinal` runs the grouped form on tensor cores
-/// ([`GROUPED_WG_ROWS`]) for experts of `k` in features, `n` out features and group size
-/// `group_size`: an sm_90 GPU (wgmma), `n` a multiple of 128, `k` and the group size multiples
-/// of 64, `k` a multiple of the group size.
-pub fn grouped_wg_ok(device_ordinal: usize, n: usize, k: usize, group_size: usize) -> Result<bool> {
-    let dev = device(device_ordinal)?;
-    Ok(dev.cc == (9, 0) && grouped_wg_shape_ok(n, k, group_size))
+/// Which kernel runs the grouped form on tensor cores for experts of `k` in features, `n` out
+/// features and group size `g` on a device of compute capability `cc`: the wgmma kernel on an
+/// sm_90 GPU (`n` a multiple of 128, `k` and `g` multiples of 64; unless `FORGE_GEMM_WG=0`),
+/// else the mma.sync kernel on sm_80 and later (`n` a multiple of 32, `g` of 32); None when
+/// neither runs. `k` a positive multiple of `g` for both.
+fn grouped_tc_form(cc: (i32, i32), n: usize, k: usize, g: usize) -> Option<GroupedForm> {
+    if g == 0 || k == 0 || !k.is_multiple_of(g) {
+        return None;
+    }
+    if cc == (9, 0) && !knobs().wgmma_off && wg_shape_ok(n, k, g) {
+        return Some(GroupedForm::Wgmma);
+    }
+    (cc >= (8, 0) && grouped_mma_shape_ok(n, g)).then_some(GroupedForm::Mma)
 }
 
-fn grouped_wg_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
-    group_size > 0 && k > 0 && k.is_multiple_of(group_size) && wg_shape_ok(n, k, group_size)
+fn grouped_mma_shape_ok(n: usize, g: usize) -> bool {
+    n > 0 && n.is_multiple_of(32) && g.is_multiple_of(GEMM_BK)
+}
+
+/// Most rows per segment (one of [`GROUPED_TC_ROWS`]) with which device `device_ordinal` runs
+/// the grouped form on tensor cores for experts of `k` in features, `n` out features and group
+/// size `group_size`: 128 where the wgmma kernel runs (sm_90), [`GROUPED_MMA_MAX_ROWS`] where the
+/// mma.sync kernel does (sm_80 and later, `n` a multiple of 32, the group of 32), 0 where
+/// neither does.
+pub fn grouped_tc_max_rows(
+    device_ordinal: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+) -> Result<usize> {
+    let dev = device(device_ordinal)?;
+    Ok(tc_max_rows(grouped_tc_form(dev.cc, n, k, group_size)))
+}
+
+/// Most rows per segment of a grouped form on tensor cores (0: none).
+fn tc_max_rows(form: Option<GroupedForm>) -> usize {
+    match form {
+        Some(GroupedForm::Wgmma) => GROUPED_TC_ROWS[GROUPED_TC_ROWS.len() - 1],
+        Some(GroupedForm::Mma) => GROUPED_MMA_MAX_ROWS,
+        _ => 0,
+    }
 }
 /// Largest segment table the grouped GEMV takes (the grid's y extent).
 pub const GROUPED_MAX_SEGMENTS: usize = GRID_Y_MAX;
@@ -1790,8 +1827,8 @@ pub struct GroupedGemv {
     /// Rows of the segment table (the launch's grid y; an upper bound on real segments).
     pub num_segments: usize,
     /// Most rows per segment: 1, 2 or 4 (the SIMT GEMV's variants), or 16, 32, 64 or 128
-    /// ([`GROUPED_WG_ROWS`]: the wgmma kernel, on an sm_90 GPU, for the shapes
-    /// [`grouped_wg_ok`] takes; K is not split, no workspace).
+    /// ([`GROUPED_TC_ROWS`]: the form on tensor cores, up to [`grouped_tc_max_rows`] for the
+    /// device and shape; K is not split, no workspace).
     pub rows: usize,
     /// Experts in the stacked tensors.
     pub experts: usize,
@@ -1799,7 +1836,8 @@ pub struct GroupedGemv {
     pub k: usize,
     /// Out features.
     pub n: usize,
-    /// AWQ group size (a power of two, multiple of 32, dividing K).
+    /// AWQ group size dividing K: a power of two ≥ 32 for the SIMT GEMV, a multiple of 32 on
+    /// tensor cores (of 64 for the wgmma kernel).
     pub group_size: usize,
     /// i32 `[experts, K, N/8]` (expert `e` at `e · expert_strides[0]` elements).
     pub qweight: u64,
@@ -1828,28 +1866,33 @@ impl GroupedGemv {
     /// Checks dtype, sizes, strides and pointer alignment without touching the driver.
     pub fn validate(&self) -> Result<()> {
         check_act(self.act)?;
-        let wg = check_grouped_rows(self.rows)?;
+        let tc = check_grouped_rows(self.rows)?;
         check_nonzero("pairs", self.pairs)?;
         check_nonzero("experts", self.experts)?;
         check_count("num_segments", self.num_segments, GROUPED_MAX_SEGMENTS)?;
         let g = self.group_size;
-        if wg && !grouped_wg_shape_ok(self.n, self.k, g) {
+        if !tc && (g < 32 || !g.is_power_of_two()) {
+            return Err(CudaError::arg("group_size", "a power of two >= 32", g));
+        }
+        check_w4a16_shape(self.n, self.k, g)?;
+        // On tensor cores: the shapes one of the two kernels takes (which one runs is the
+        // device's choice, at launch); the largest tile only on the wgmma kernel's.
+        let mma_ok = self.rows <= GROUPED_MMA_MAX_ROWS && grouped_mma_shape_ok(self.n, g);
+        if tc && !(mma_ok || wg_shape_ok(self.n, self.k, g)) {
             return Err(CudaError::arg(
                 "(n, k, group_size)",
                 format!(
-                    "n a multiple of 128, k and group_size multiples of 64 for rows {}",
+                    "n a multiple of 128, k and group_size multiples of 64 for rows {} (up to \
+                     rows {GROUPED_MMA_MAX_ROWS}: n and group_size multiples of 32)",
                     self.rows
                 ),
                 format!("({}, {}, {g})", self.n, self.k),
             ));
         }
-        if !wg && (g < 32 || !g.is_power_of_two()) {
-            return Err(CudaError::arg("group_size", "a power of two >= 32", g));
-        }
-        check_w4a16_shape(self.n, self.k, g)?;
         let dense = Self::dense_strides(self.k, self.n, g);
-        // 16-byte chunks of every expert's tensors (the wgmma kernel copies its zero points so).
-        let zeros_align = if wg { 4 } else { 1 };
+        // 16-byte chunks of every expert's tensors (the tensor-core kernels copy their zero
+        // points so).
+        let zeros_align = if tc { 4 } else { 1 };
         for (i, (name, align)) in [
             ("expert_strides[0] (qweight)", 4),
             ("expert_strides[1] (qzeros)", zeros_align),
@@ -1877,7 +1920,7 @@ impl GroupedGemv {
         check_align("out_rows", self.out_rows, 4)?;
         check_align("segments", self.segments, 4)?;
         check_align("qweight", self.qweight, 16)?;
-        check_align("qzeros", self.qzeros, if wg { 16 } else { 4 })?;
+        check_align("qzeros", self.qzeros, if tc { 16 } else { 4 })?;
         check_align("scales", self.scales, 16)?;
         check_align("y", self.y, 2)?;
         Ok(())
@@ -1886,13 +1929,24 @@ impl GroupedGemv {
 
 /// Checks a grouped launch's rows per segment; true for the tensor-core form.
 fn check_grouped_rows(rows: usize) -> Result<bool> {
-    if GROUPED_WG_ROWS.contains(&rows) {
+    if GROUPED_TC_ROWS.contains(&rows) {
         return Ok(true);
     }
     if GROUPED_ROWS.contains(&rows) {
         return Ok(false);
     }
     Err(CudaError::arg("rows", "1, 2, 4, 16, 32, 64 or 128", rows))
+}
+
+/// The kernel of a grouped launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GroupedForm {
+    /// `w4a16_gemv3g_<dt>_r<rows>`: the SIMT GEMV, K split into a workspace where it pays.
+    Simt,
+    /// `w4a16_wgg_<dt>_t<rows>`: the Hopper wgmma kernel, 128 outputs a block.
+    Wgmma,
+    /// `w4a16_awqg_<dt>_m<rows / 16>`: the mma.sync kernel, 256 outputs a block.
+    Mma,
 }
 
 /// How the grouped GEMV splits its work (cached per shape).
@@ -1904,9 +1958,8 @@ struct GroupedPlan {
     splits: usize,
     /// K per split.
     k_chunk: usize,
-    /// The tensor-core form (`w4a16_wgg_<dt>_t<rows>`): its parameter list, threads and shared
-    /// memory.
-    wg: bool,
+    /// The kernel: its parameter list, threads and shared memory.
+    form: GroupedForm,
 }
 
 /// Word columns per lane of the grouped kernel for `rows` (as the plain version 3).
@@ -1922,7 +1975,7 @@ fn grouped_plan(slots: usize, rows: usize, segments: usize, n: usize, k: usize) 
         nblocks,
         splits,
         k_chunk,
-        wg: false,
+        form: GroupedForm::Simt,
     }
 }
 
@@ -1939,35 +1992,51 @@ fn grouped_plan_for(
 ) -> Result<Cached<GroupedPlan>> {
     type Key = (usize, DType, usize, usize, usize, usize, usize);
     static PLANS: PlanCache<Key, GroupedPlan> = OnceLock::new();
-    let wg = check_grouped_rows(rows)?;
+    let tc = check_grouped_rows(rows)?;
     // The tensor-core form's plan does not depend on the table's height (one block row a
     // segment): one entry for every prefill length.
     let key = (
         dev.ordinal,
         act,
         rows,
-        if wg { 0 } else { segments },
+        if tc { 0 } else { segments },
         n,
         k,
         group_size,
     );
     cached_plan(&PLANS, key, || {
-        if wg {
-            if dev.cc != (9, 0) {
+        if tc {
+            let form = grouped_tc_form(dev.cc, n, k, group_size);
+            let max_rows = tc_max_rows(form);
+            if rows > max_rows {
                 return Err(CudaError::arg(
                     "rows",
-                    "1, 2 or 4 on this GPU (16 to 128 run wgmma: sm_90)",
-                    format!("{rows} on sm_{}{}", dev.cc.0, dev.cc.1),
+                    match max_rows {
+                        0 => "1, 2 or 4 for this GPU and shape (no tensor-core form)".to_string(),
+                        m => format!(
+                            "1, 2 or 4, or 16 to {m} on tensor cores, for this GPU and shape"
+                        ),
+                    },
+                    format!(
+                        "{rows} on sm_{}{} with (n, k, group_size) ({n}, {k}, {group_size})",
+                        dev.cc.0, dev.cc.1
+                    ),
                 ));
             }
-            let name = kernel_named(format!("w4a16_wgg_{}_t{rows}", act.suffix()))?;
+            let (name, nblocks, form) = if form == Some(GroupedForm::Wgmma) {
+                let name = format!("w4a16_wgg_{}_t{rows}", act.suffix());
+                (name, n / WG_BN, GroupedForm::Wgmma)
+            } else {
+                let name = format!("w4a16_awqg_{}_m{}", act.suffix(), rows / 16);
+                (name, n.div_ceil(GEMM_BN), GroupedForm::Mma)
+            };
             let plan = GroupedPlan {
-                nblocks: n / WG_BN,
+                nblocks,
                 splits: 1,
                 k_chunk: k,
-                wg: true,
+                form,
             };
-            return Ok((plan, dev.function(name)?, None));
+            return Ok((plan, dev.function(kernel_named(name)?)?, None));
         }
         let name = kernel_named(format!("w4a16_gemv3g_{}_r{rows}", act.suffix()))?;
         let f = dev.function(name)?;
@@ -2039,12 +2108,15 @@ pub unsafe fn w4a16_grouped_gemv_awq(a: &GroupedGemv, s: Stream) -> Result<()> {
         a.group_size.trailing_zeros() as i32,
         plan.k_chunk as i32,
     );
-    if plan.wg {
+    if plan.form != GroupedForm::Simt {
         let (mut out, mut g) = (a.y, a.group_size as i32);
         let mut p = args!(px, pxr, por, pseg, pqw, pqz, psc, ew, ez, es, ee, out, nn, kk, g);
-        let (block, smem) = ((WG_THREADS as u32, 1, 1), W4A16_WG_SMEM);
-        // SAFETY: parameter list matches w4a16_wgg_<dt>_t<rows>; pointers per the caller's
-        // contract, checked above for alignment.
+        let (block, smem) = match plan.form {
+            GroupedForm::Wgmma => ((WG_THREADS as u32, 1, 1), W4A16_WG_SMEM),
+            _ => ((GEMM_THREADS as u32, 1, 1), 0),
+        };
+        // SAFETY: parameter list matches w4a16_wgg_<dt>_t<rows> and w4a16_awqg_<dt>_m<mt>;
+        // pointers per the caller's contract, checked above for alignment.
         return unsafe { launch(dev, f, grid, block, smem, s.handle, &mut p) };
     }
     let threads = (32 * GEMV3_WARPS) as u32;
@@ -2904,10 +2976,25 @@ mod tests {
             }),
             "expert_strides[0] (qweight)"
         );
-        // The tensor-core rows: N % 128, K and G % 64 (G need not be a power of two), and
-        // every expert's zero points on a 16-byte boundary.
+        // The tensor-core rows: up to 64 rows N and G % 32 (the mma.sync kernel), 128 rows
+        // N % 128, K and G % 64 (the wgmma kernel); G need not be a power of two, and every
+        // expert's zero points on a 16-byte boundary.
         let wg = GroupedGemv { rows: 64, ..a };
         assert!(wg.validate().is_ok());
+        let t128 = GroupedGemv { rows: 128, ..a };
+        assert!(t128.validate().is_ok());
+        let (k, n, g) = (288, 448, 96);
+        let mma = GroupedGemv {
+            k,
+            n,
+            group_size: g,
+            expert_strides: GroupedGemv::dense_strides(k, n, g),
+            ..wg
+        };
+        assert!(mma.validate().is_ok());
+        assert_eq!(bad(GroupedGemv { rows: 128, ..mma }), "(n, k, group_size)");
+        assert_eq!(bad(GroupedGemv { n: 448, ..t128 }), "(n, k, group_size)");
+        assert_eq!(bad(GroupedGemv { n: 40, ..wg }), "n");
         let (k, n, g) = (576, 384, 192);
         let wg192 = GroupedGemv {
             k,
@@ -2917,8 +3004,8 @@ mod tests {
             ..wg
         };
         assert!(wg192.validate().is_ok());
-        assert_eq!(bad(GroupedGemv { n: 448, ..wg }), "(n, k, group_size)");
-        assert_eq!(bad(GroupedGemv { k: 288, ..wg }), "(n, k, group_size)");
+        assert!(GroupedGemv { rows: 128, ..wg192 }.validate().is_ok());
+        assert_eq!(bad(GroupedGemv { k: 288, ..wg }), "k");
         assert_eq!(bad(GroupedGemv { qzeros: 260, ..wg }), "qzeros");
         let mut st = wg.expert_strides;
         st[1] += 2; // the next expert's zero points off a 16-byte boundary

@@ -925,37 +925,40 @@ fn w4a16_grouped_gemv_matches_cpu() {
     }
 }
 
+/// The grouped form on tensor cores (rows 16 to 128): the wgmma kernel on an sm_90 GPU for the
+/// shapes it takes, the mma.sync kernel on other shapes and GPUs (and everywhere with
+/// `FORGE_GEMM_WG=0`: run this test so too on an H100 / H200).
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
-fn w4a16_grouped_wg_matches_cpu() {
+fn w4a16_grouped_tc_matches_cpu() {
     assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
-    if !ops::grouped_wg_ok(0, 256, 512, 128).unwrap() {
-        // Not an sm_90 GPU: the tensor-core rows are refused with an error naming `rows`
-        // before anything is launched (the buffers are never read).
-        let buf = DeviceBuf::zeroed(0, 256).unwrap();
-        let (k, n, g) = (512, 256, 128);
-        let a = ops::GroupedGemv {
-            x: buf.ptr(),
-            act: DType::Bf16,
-            x_rows: buf.ptr(),
-            out_rows: buf.ptr(),
-            pairs: 8,
-            segments: buf.ptr(),
-            num_segments: 8,
-            rows: 16,
-            experts: 8,
-            k,
-            n,
-            group_size: g,
-            qweight: buf.ptr(),
-            qzeros: buf.ptr(),
-            scales: buf.ptr(),
-            expert_strides: ops::GroupedGemv::dense_strides(k, n, g),
-            y: buf.ptr(),
-            workspace: 0,
-            workspace_bytes: 0,
-        };
-        let err = unsafe { ops::w4a16_grouped_gemv_awq(&a, S) }.unwrap_err();
+    let (k, n, g) = (512, 256, 128);
+    let buf = DeviceBuf::zeroed(0, 256).unwrap();
+    let args = |rows: usize, k: usize, n: usize, g: usize| ops::GroupedGemv {
+        x: buf.ptr(),
+        act: DType::Bf16,
+        x_rows: buf.ptr(),
+        out_rows: buf.ptr(),
+        pairs: 8,
+        segments: buf.ptr(),
+        num_segments: 8,
+        rows,
+        experts: 8,
+        k,
+        n,
+        group_size: g,
+        qweight: buf.ptr(),
+        qzeros: buf.ptr(),
+        scales: buf.ptr(),
+        expert_strides: ops::GroupedGemv::dense_strides(k, n, g),
+        y: buf.ptr(),
+        workspace: 0,
+        workspace_bytes: 0,
+    };
+    // Refused with an error naming `rows` before anything is launched (the buffers are never
+    // read): past the device's tiles for the shape.
+    let refused = |rows: usize, k: usize, n: usize, g: usize| {
+        let err = unsafe { ops::w4a16_grouped_gemv_awq(&args(rows, k, n, g), S) }.unwrap_err();
         assert!(
             matches!(
                 err,
@@ -963,17 +966,26 @@ fn w4a16_grouped_wg_matches_cpu() {
             ),
             "{err}"
         );
-        eprintln!("the tensor-core grouped form refused off sm_90: {err}");
+        eprintln!("rows {rows} refused for K {k} N {n} G {g}: {err}");
+    };
+    let max = ops::grouped_tc_max_rows(0, n, k, g).unwrap();
+    if max == 0 {
+        refused(16, k, n, g); // before sm_80: no tensor-core form
         return;
     }
-    // Shapes the other way round are refused before the driver is touched.
-    assert!(!ops::grouped_wg_ok(0, 96, 512, 128).unwrap());
-    assert!(!ops::grouped_wg_ok(0, 256, 96, 32).unwrap());
+    let wgmma = max == 128;
+    // A shape the wgmma kernel does not take (N % 128 != 0, G = 32) runs up to 64 rows.
+    assert_eq!(ops::grouped_tc_max_rows(0, 96, k, 32).unwrap(), 64);
+    assert_eq!(max, if wgmma { 128 } else { 64 });
+    if !wgmma {
+        refused(128, k, n, g);
+    }
     let mut seed = 901;
     for act in [DType::F16, DType::Bf16] {
         // rows, tokens, top_k, experts, K, N, G: runs cut into several segments, partial and
         // full tiles, masked ids, a group size that is not a power of two (192), and
-        // DeepSeek-V3-like gate_up / down experts (hidden 2048, expert 1408).
+        // DeepSeek-V3-like gate_up / down experts (hidden 2048, expert 1408); then shapes only
+        // the mma.sync kernel takes (N not a multiple of 128 or 256, G = 32).
         for (rows, tokens, top_k, experts, k, n, g) in [
             (16, 64, 8, 16, 512, 256, 128),
             (32, 40, 6, 8, 256, 384, 64),
@@ -982,8 +994,16 @@ fn w4a16_grouped_wg_matches_cpu() {
             (16, 3, 6, 16, 512, 256, 128),
             (64, 32, 6, 16, 2048, 2816, 128),
             (32, 32, 6, 16, 1408, 2048, 128),
+            (16, 24, 6, 8, 256, 96, 32),
+            (32, 40, 4, 8, 512, 160, 64),
+            (64, 100, 4, 4, 1024, 288, 32),
+            (64, 70, 8, 16, 768, 352, 96),
         ] {
-            grouped_case(rows, tokens, top_k, experts, k, n, g, act, seed);
+            if rows <= ops::grouped_tc_max_rows(0, n, k, g).unwrap() {
+                grouped_case(rows, tokens, top_k, experts, k, n, g, act, seed);
+            } else {
+                refused(rows, k, n, g);
+            }
             seed += 1;
         }
     }

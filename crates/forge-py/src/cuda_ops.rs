@@ -577,18 +577,19 @@ pub fn tile_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
     cu::tile_shape_ok(n, k, group_size)
 }
 
-/// Whether CUDA device `device` runs the grouped MoE product on tensor cores (segments of
-/// 16 to 128 rows) for experts of `k` in features, `n` out features and group size
-/// `group_size` (see `forge_cuda::ops::grouped_wg_ok`).
+/// Most rows per segment with which CUDA device `device` runs the grouped MoE product on
+/// tensor cores for experts of `k` in features, `n` out features and group size `group_size`:
+/// 128 (the wgmma kernel, sm_90), 64 (the mma.sync kernel, sm_80 and later) or 0 (see
+/// `forge_cuda::ops::grouped_tc_max_rows`).
 #[pyfunction]
-pub fn grouped_wg_ok(
+pub fn grouped_tc_max_rows(
     py: Python<'_>,
     device: usize,
     n: usize,
     k: usize,
     group_size: usize,
-) -> PyResult<bool> {
-    cu::grouped_wg_ok(device, n, k, group_size).map_err(|e| cuda_err(py, e))
+) -> PyResult<usize> {
+    cu::grouped_tc_max_rows(device, n, k, group_size).map_err(|e| cuda_err(py, e))
 }
 
 /// Rows of the grouped GEMV's segment table for `pairs` pairs over `experts` experts in

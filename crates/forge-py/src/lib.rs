@@ -26,7 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "GROUPED_MAX_SEGMENTS",
         forge_cuda::ops::GROUPED_MAX_SEGMENTS,
     )?;
-    m.add("GROUPED_WG_ROWS", forge_cuda::ops::GROUPED_WG_ROWS.to_vec())?;
+    m.add("GROUPED_TC_ROWS", forge_cuda::ops::GROUPED_TC_ROWS.to_vec())?;
     m.add_function(wrap_pyfunction!(ops::build_quant_grid, m)?)?;
     m.add_function(wrap_pyfunction!(ops::quantize_rtn, m)?)?;
     m.add_function(wrap_pyfunction!(ops::encode_qmeta, m)?)?;
@@ -54,7 +54,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_ops::moe_combine_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::moe_max_segments, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::tile_shape_ok, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_ops::grouped_wg_ok, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::grouped_tc_max_rows, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tile_repack_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::awq_dequant_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tiled_launch, m)?)?;
