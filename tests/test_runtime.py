@@ -284,13 +284,16 @@ def route_reference(ids: list[list[int]], e: int, rows: int, nseg: int):
     return order, [p // k for p in order], segs
 
 
-def test_moe_wg_rows_is_the_smallest_tile_holding_an_experts_share():
-    from forge.runtime import GROUPED_WG_ROWS, moe_wg_rows
+def test_moe_tc_rows_is_the_smallest_tile_holding_an_experts_share():
+    from forge.runtime import GROUPED_TC_ROWS, moe_tc_rows
 
-    assert GROUPED_WG_ROWS == (16, 32, 64, 128)
+    assert GROUPED_TC_ROWS == (16, 32, 64, 128)
     pairs = (385, 512, 513, 1024, 1025, 2048, 2049, 10**6)
-    assert [moe_wg_rows(p, 16) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 128]
-    assert [moe_wg_rows(p, 256) for p in (400, 4096, 4097, 16384, 16385)] == [16, 16, 32, 64, 128]
+    assert [moe_tc_rows(p, 16) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 128]
+    assert [moe_tc_rows(p, 256) for p in (400, 4096, 4097, 16384, 16385)] == [16, 16, 32, 64, 128]
+    # the mma.sync GEMM's tiles stop at 64 rows
+    assert [moe_tc_rows(p, 16, 64) for p in pairs] == [32, 32, 64, 64, 64, 64, 64, 64]
+    assert [moe_tc_rows(p, 16, 16) for p in pairs] == [16] * len(pairs)
 
 
 def test_awq_experts_off_cuda_takes_no_grouped_launch():

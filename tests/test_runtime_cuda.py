@@ -1,7 +1,8 @@
 """forge.runtime on CUDA (marker ``cuda``; skipped without a usable GPU): AwqLinear against
 dequantize-then-matmul, CUDA-graph capture, torch.compile(mode="reduce-overhead") and
 stream ordering; AwqExperts' grouped GEMV path (decode: few (token, expert) pairs) likewise,
-and its tensor-core form (prefill: segments of 16 to 128 rows of one expert, sm_90 only).
+and its tensor-core form (prefill: segments of 16 to 128 rows of one expert; the wgmma GEMM on
+sm_90 for the shapes it takes, the mma.sync GEMM up to 64 rows on other shapes and GPUs).
 
 Tolerances:
 * against the float32 reference (weights dequantized in the test from the AWQ words, fp32
@@ -272,17 +273,20 @@ def test_errors_are_python_exceptions():
 # --------------------------------------------------------------------------- AwqExperts (grouped)
 
 EXPERTS, HIDDEN, INTER, GROUP = 16, 256, 192, 64  # 2 * INTER and HIDDEN multiples of 32, GROUP a power of two
+# Experts only the mma.sync GEMM takes on tensor cores (2 * INTER and INTER not multiples of 128
+# and 64, G = 32): on every GPU from sm_80, the H100 / H200 included.
+MMA_ONLY = (160, 32)
 
 
-def random_experts(dtype: torch.dtype, seed: int = 0) -> AwqExperts:
+def random_experts(dtype: torch.dtype, seed: int = 0, inter: int = INTER, group: int = GROUP) -> AwqExperts:
     gen = torch.Generator().manual_seed(seed)
-    mod = AwqExperts(EXPERTS, HIDDEN, INTER, GROUP, "silu", dtype=dtype)
-    for prefix, (k, n) in (("gate_up", (HIDDEN, 2 * INTER)), ("down", (INTER, HIDDEN))):
+    mod = AwqExperts(EXPERTS, HIDDEN, inter, group, "silu", dtype=dtype)
+    for prefix, (k, n) in (("gate_up", (HIDDEN, 2 * inter)), ("down", (inter, HIDDEN))):
         qweight = torch.randint(-(2**31), 2**31, (EXPERTS, k, n // 8), generator=gen, dtype=torch.int64)
         qzeros = torch.randint(
-            -(2**31), 2**31, (EXPERTS, k // GROUP, n // 8), generator=gen, dtype=torch.int64
+            -(2**31), 2**31, (EXPERTS, k // group, n // 8), generator=gen, dtype=torch.int64
         )
-        scales = (torch.rand(EXPERTS, k // GROUP, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
+        scales = (torch.rand(EXPERTS, k // group, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
         for part, t in (
             ("qweight", qweight.to(torch.int32)),
             ("qzeros", qzeros.to(torch.int32)),
@@ -308,10 +312,11 @@ def routing(tokens: int, top_k: int, seed: int = 0, masked: bool = True) -> tupl
 
 def ref_moe(mod: AwqExperts, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)) in float32, dequantize-then-matmul."""
+    g = mod.group_size
     w_gu = ref_weight(
-        mod.gate_up_qweight, mod.gate_up_qzeros, mod.gate_up_scales, GROUP
+        mod.gate_up_qweight, mod.gate_up_qzeros, mod.gate_up_scales, g
     )  # (EXPERTS, 2 * INTER, HIDDEN)
-    w_dn = ref_weight(mod.down_qweight, mod.down_qzeros, mod.down_scales, GROUP)  # (EXPERTS, HIDDEN, INTER)
+    w_dn = ref_weight(mod.down_qweight, mod.down_qzeros, mod.down_scales, g)  # (EXPERTS, HIDDEN, INTER)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
         for j in range(idx.shape[1]):
@@ -343,7 +348,7 @@ def uses_grouped(mod: AwqExperts, monkeypatch) -> list[int]:
 def test_awq_experts_grouped_matches_reference(tokens, top_k, dtype, monkeypatch):
     mod = random_experts(dtype)
     calls = uses_grouped(mod, monkeypatch)
-    monkeypatch.setattr("forge.runtime.GROUPED_WG", False)  # the SIMT GEMV at every size here
+    monkeypatch.setattr("forge.runtime.GROUPED_TC", False)  # the SIMT GEMV at every size here
     idx, w = routing(tokens, top_k, seed=tokens * 10 + top_k)
     x = torch.randn(tokens, HIDDEN, device="cuda").to(dtype)
     y = mod(x, idx, w)
@@ -406,23 +411,31 @@ def random_stack(
     return words(e, k, n // 8).cuda(), words(e, k // g, n // 8).cuda(), scales.cuda()
 
 
-def needs_grouped_wg(*shapes: tuple[int, int, int]) -> None:
-    """Skips unless this GPU runs the grouped tensor-core form for every (K, N, G)."""
+def needs_grouped_tc(rows: int, *shapes: tuple[int, int, int]) -> int:
+    """Skips unless this GPU runs the grouped tensor-core form with ``rows`` rows a segment for
+    every (K, N, G); returns the most rows it takes for all of them."""
     dev = torch.device("cuda")
-    if not all(runtime.grouped_wg_ok(dev, k, n, g) for k, n, g in shapes):
-        pytest.skip("the grouped tensor-core form needs an sm_90 GPU")
+    most = min(runtime.grouped_tc_max_rows(dev, k, n, g) for k, n, g in shapes)
+    if most < rows:
+        pytest.skip(f"this GPU runs the grouped tensor-core form with at most {most} rows for these shapes")
+    return most
 
 
-@pytest.mark.parametrize("rows", runtime.GROUPED_WG_ROWS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_awq_moe_gemv_tensor_core_rows(rows, dtype):
+@pytest.mark.parametrize(
+    "rows,k,n,g",
+    [(r, 576, 384, 192) for r in runtime.GROUPED_TC_ROWS]
+    + [(r, 512, 352, 32) for r in runtime.GROUPED_TC_ROWS if r <= 64],
+)
+def test_awq_moe_gemv_tensor_core_rows(rows, k, n, g, dtype):
     """The op with the tensor-core form's rows (a segment a block): runs of one expert longer
-    than a segment, masked pairs exact zeros, every other row dequantize-then-matmul; and a
-    shape the form does not take is a named error, not a launch."""
+    than a segment, masked pairs exact zeros, every other row dequantize-then-matmul. G = 192
+    is not a power of two (the wgmma GEMM on sm_90, the mma.sync GEMM elsewhere); N = 352 and
+    G = 32 only the mma.sync GEMM takes, on every GPU (up to 64 rows)."""
     from forge.runtime import moe_segments
 
-    e, k, n, g, t, top_k = 8, 576, 384, 192, 96, 4  # G = 192: not a power of two
-    needs_grouped_wg((k, n, g))
+    e, t, top_k = 8, 96, 4
+    needs_grouped_tc(rows, (k, n, g))
     qweight, qzeros, scales = random_stack(e, k, n, g, seed=rows)
     gen = torch.Generator().manual_seed(rows + 1)
     idx = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)])
@@ -440,9 +453,24 @@ def test_awq_moe_gemv_tensor_core_rows(rows, dtype):
     w = ref_weight(qweight, qzeros, scales, g)  # (e, n, k)
     ref = torch.einsum("pnk,pk->pn", w[flat.clamp(0, e - 1)], x.float()[torch.arange(t * top_k) // top_k])
     assert rel_err(y[valid.cuda()], ref[valid.cuda()]) < TOL[dtype]
-    bad = random_stack(2, 512, 96, 128, seed=0)  # N = 96: not a multiple of 128
+
+
+def test_awq_moe_gemv_tensor_core_shapes_it_does_not_take():
+    """Shapes past both tensor-core kernels are named errors, not launches: N not a multiple
+    of 32 at any tile, and 128 rows a segment where the wgmma GEMM does not run."""
+    from forge.runtime import moe_segments
+
+    needs_grouped_tc(16, (512, 352, 32))
+    x = torch.randn(16, 512, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, 2, (16, 2)).cuda()
+    order, seg = moe_segments(idx, 2, 16)
+    tokens = torch.div(order, 2, rounding_mode="floor")
+    bad = random_stack(2, 512, 40, 128, seed=0)  # N = 40: not a multiple of 32
+    with pytest.raises(forge.errors.ForgeError, match="multiple of 32"):
+        runtime._cuda_moe_gemv(x, tokens, order, seg, *bad, 128, 16)
+    mma_only = random_stack(2, 512, 352, 32, seed=0)  # N = 352, G = 32: the mma.sync GEMM's, up to 64
     with pytest.raises(forge.errors.ForgeError, match="multiple of 128"):
-        runtime._cuda_moe_gemv(x[:, :512], tokens, order, seg.clamp(max=1), *bad, 128, rows)
+        runtime._cuda_moe_gemv(x, tokens, order, seg, *mma_only, 32, 128)
 
 
 PREFILL = [(80, 6), (150, 6), (300, 8)]  # 480 / 900 / 2400 pairs: segments of 32, 64 and 128
@@ -450,28 +478,30 @@ PREFILL = [(80, 6), (150, 6), (300, 8)]  # 480 / 900 / 2400 pairs: segments of 3
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens,top_k", PREFILL)
-def test_awq_experts_prefill_takes_the_tensor_core_form(tokens, top_k, dtype, monkeypatch):
-    """Past GROUPED_WG_MIN_SHARE pairs per expert both projections are one tensor-core launch
-    each, with the reference's result and the per-expert loop's (GROUPED_WG off) within the
-    same bound."""
-    needs_grouped_wg((HIDDEN, 2 * INTER, GROUP), (INTER, HIDDEN, GROUP))
-    mod = random_experts(dtype)
+@pytest.mark.parametrize("inter,group", [(INTER, GROUP), MMA_ONLY])
+def test_awq_experts_prefill_takes_the_tensor_core_form(tokens, top_k, dtype, inter, group, monkeypatch):
+    """Past GROUPED_TC_MIN_SHARE pairs per expert both projections are one tensor-core launch
+    each (on sm_90 the wgmma GEMM for the first experts, the mma.sync GEMM for MMA_ONLY; on
+    other GPUs the mma.sync GEMM for both), with the reference's result and the per-expert
+    loop's (GROUPED_TC off) within the same bound."""
+    most = needs_grouped_tc(16, (HIDDEN, 2 * inter, group), (inter, HIDDEN, group))
+    mod = random_experts(dtype, inter=inter, group=group)
     calls = uses_grouped(mod, monkeypatch)
     idx, w = routing(tokens, top_k, seed=tokens)
     x = torch.randn(tokens, HIDDEN, device="cuda").to(dtype)
     y = mod(x, idx, w)
-    rows = runtime.moe_wg_rows(tokens * top_k, EXPERTS)
-    assert calls == [rows, rows] and rows in runtime.GROUPED_WG_ROWS
+    rows = runtime.moe_tc_rows(tokens * top_k, EXPERTS, most)
+    assert calls == [rows, rows] and rows in runtime.GROUPED_TC_ROWS and rows <= most
     ref = ref_moe(mod, x, idx, w)
     assert y.shape == x.shape and y.dtype == dtype
     assert rel_err(y, ref) < 2 * TOL[dtype]
-    monkeypatch.setattr("forge.runtime.GROUPED_WG", False)
+    monkeypatch.setattr("forge.runtime.GROUPED_TC", False)
     monkeypatch.setattr("forge.runtime.GROUPED_MAX_PAIRS", 0)
     loop = mod(x, idx, w)
     assert len(calls) == 2  # the loop launched no grouped kernel
     assert rel_err(loop, ref) < 2 * TOL[dtype]
     # a segment table taller than the launch's grid takes the loop
-    monkeypatch.setattr("forge.runtime.GROUPED_WG", True)
+    monkeypatch.setattr("forge.runtime.GROUPED_TC", True)
     assert mod._grouped_rows(x, tokens * top_k) == rows
     monkeypatch.setattr(runtime._native, "GROUPED_MAX_SEGMENTS", 1)
     assert mod._grouped_rows(x, tokens * top_k) is None
@@ -480,11 +510,11 @@ def test_awq_experts_prefill_takes_the_tensor_core_form(tokens, top_k, dtype, mo
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens,top_k", [(1, 6), (16, 8), (150, 6)])
 def test_awq_experts_cuda_graph_replay_equals_eager(tokens, top_k, dtype):
-    """Decode (the SIMT GEMV, or on sm_90 past 2 pairs an expert the tensor-core form) and
-    prefill (150 x 6 pairs: the tensor-core form) read nothing back: the forward captures
-    into a CUDA graph, and each replay is bit for bit the eager forward."""
+    """Decode (the SIMT GEMV, or past 2 pairs an expert the tensor-core form) and prefill
+    (150 x 6 pairs: the tensor-core form) read nothing back: the forward captures into a CUDA
+    graph, and each replay is bit for bit the eager forward."""
     if tokens * top_k > runtime.GROUPED_MAX_PAIRS:
-        needs_grouped_wg((HIDDEN, 2 * INTER, GROUP), (INTER, HIDDEN, GROUP))
+        needs_grouped_tc(16, (HIDDEN, 2 * INTER, GROUP), (INTER, HIDDEN, GROUP))
     mod = random_experts(dtype)
     static_x = torch.randn(tokens, HIDDEN, device="cuda").to(dtype)
     static_idx, static_w = routing(tokens, top_k)

@@ -371,25 +371,27 @@ def _awq_gemm_fake(x, qweight, qzeros, scales, group_size, tiles=None):
 #: kernel reads each active expert's weights once per segment of up to 4 rows, so it loses
 #: to per-expert tensor-core GEMMs only once experts get many rows each (prefill).
 GROUPED_MAX_PAIRS = 384
-#: On an sm_90 GPU, :class:`AwqExperts` runs each quantized projection as one launch of the
-#: grouped form on tensor cores (the wgmma GEMM, a segment of up to 16 / 32 / 64 / 128 rows of
-#: one expert a block; see :func:`moe_wg_rows`) once a call has more than
-#: :data:`GROUPED_WG_MIN_SHARE` pairs per expert: nothing read back at any size, so prefill
-#: captures into CUDA graphs too. On an H200 (``benches/results-h200-runtime-moe.json``, 64
-#: experts of 1408, hidden 2048, top-6, in a CUDA graph) it ties the SIMT GEMV at 96 pairs
-#: (170 against 163 µs), wins from 192 (198 against 243 µs; 200 against 384 at 384 pairs),
-#: and from 1024 tokens on is, eager against eager, 1.12-1.27x the bf16 layer as two
-#: ``torch._grouped_mm`` calls and 2.7-18x the per-expert loop. At DeepSeek-V3's dimensions
-#: (256 experts of 2048, hidden 7168, top-8) the crossover is the same (512 pairs: 2945
-#: against 2858 µs; 2048 pairs: 3468 against 8725), and from 256 tokens it is 1.22-2.18x
-#: ``_grouped_mm``. False: the SIMT GEMV up to :data:`GROUPED_MAX_PAIRS`, the loop past it.
-GROUPED_WG = True
+#: On CUDA, :class:`AwqExperts` runs each quantized projection as one launch of the grouped form
+#: on tensor cores (a segment of up to 16 / 32 / 64 / 128 rows of one expert a block; see
+#: :func:`moe_tc_rows`) once a call has more than :data:`GROUPED_TC_MIN_SHARE` pairs per expert:
+#: nothing read back at any size, so prefill captures into CUDA graphs too. On an sm_90 GPU it is
+#: the wgmma GEMM (up to 128 rows) for the shapes that take it, elsewhere (sm_80 and later, or
+#: other shapes) the mma.sync GEMM (up to 64 rows; :func:`grouped_tc_max_rows`). On an H200
+#: (``benches/results-h200-runtime-moe.json``, 64 experts of 1408, hidden 2048, top-6, in a CUDA
+#: graph) the wgmma form ties the SIMT GEMV at 96 pairs (170 against 163 µs), wins from 192 (198
+#: against 243 µs; 200 against 384 at 384 pairs), and from 1024 tokens on is, eager against
+#: eager, 1.12-1.27x the bf16 layer as two ``torch._grouped_mm`` calls and 2.7-18x the
+#: per-expert loop. At DeepSeek-V3's dimensions (256 experts of 2048, hidden 7168, top-8) the
+#: crossover is the same (512 pairs: 2945 against 2858 µs; 2048 pairs: 3468 against 8725), and
+#: from 256 tokens it is 1.22-2.18x ``_grouped_mm``. False: the SIMT GEMV up to
+#: :data:`GROUPED_MAX_PAIRS`, the loop past it.
+GROUPED_TC = True
 #: Pairs per expert (on average) past which the tensor-core form takes over from the SIMT GEMV.
-GROUPED_WG_MIN_SHARE = 2
-#: The grouped form's rows per segment (its token tiles: ``forge_cuda::ops::GROUPED_WG_ROWS``).
-GROUPED_WG_ROWS = tuple(_native.GROUPED_WG_ROWS)
-# (device, N, K, G) -> whether the grouped form runs on tensor cores there
-_GROUPED_WG_OK: dict[tuple[int, int, int, int], bool] = {}
+GROUPED_TC_MIN_SHARE = 2
+#: The tensor-core form's rows per segment (its token tiles: ``forge_cuda::ops::GROUPED_TC_ROWS``).
+GROUPED_TC_ROWS = tuple(_native.GROUPED_TC_ROWS)
+# (device, N, K, G) -> the most rows per segment of the tensor-core form there (0: none)
+_GROUPED_TC_MAX_ROWS: dict[tuple[int, int, int, int], int] = {}
 # split-K scratch bytes per (device, rows, pairs, segments, N, K, G)
 _GROUPED_WORKSPACE: dict[tuple[int, ...], int] = {}
 
@@ -402,25 +404,31 @@ def moe_rows(tokens: int, pairs: int, num_experts: int) -> int:
     return 2 if pairs <= 2 * num_experts else 4
 
 
-def moe_wg_rows(pairs: int, num_experts: int) -> int:
+def moe_tc_rows(pairs: int, num_experts: int, max_rows: int = GROUPED_TC_ROWS[-1]) -> int:
     """Rows per segment of the grouped tensor-core form for ``pairs`` pairs over
-    ``num_experts`` experts: the smallest token tile that holds an expert's average share, so
-    that most experts are one block row and the MMAs are no wider than they need."""
+    ``num_experts`` experts, at most ``max_rows`` (:func:`grouped_tc_max_rows`): the smallest
+    token tile that holds an expert's average share, so that most experts are one block row and
+    the MMAs are no wider than they need."""
     share = -(-pairs // max(num_experts, 1))
-    return next((r for r in GROUPED_WG_ROWS if r >= share), GROUPED_WG_ROWS[-1])
+    tiles = [r for r in GROUPED_TC_ROWS if r <= max_rows] or [GROUPED_TC_ROWS[0]]
+    return next((r for r in tiles if r >= share), tiles[-1])
 
 
 @torch.compiler.assume_constant_result
-def grouped_wg_ok(dev: torch.device, in_features: int, out_features: int, group_size: int) -> bool:
-    """Whether the grouped form runs on tensor cores for these experts on CUDA device ``dev``
-    (an sm_90 GPU; out features a multiple of 128, in features and group a multiple of 64).
-    A constant of the device and shape: ``torch.compile`` calls it once while tracing."""
+def grouped_tc_max_rows(dev: torch.device, in_features: int, out_features: int, group_size: int) -> int:
+    """The most rows per segment with which the grouped form runs on tensor cores for these
+    experts on CUDA device ``dev``: 128 on an sm_90 GPU where the wgmma GEMM takes the shape
+    (out features a multiple of 128, in features and group of 64), 64 where the mma.sync GEMM
+    does (sm_80 and later, out features and group multiples of 32), else 0. A constant of the
+    device and shape: ``torch.compile`` calls it once while tracing."""
     index = _device_index(dev)
     key = (index, out_features, in_features, group_size)
-    ok = _GROUPED_WG_OK.get(key)
-    if ok is None:
-        ok = _GROUPED_WG_OK[key] = _native.grouped_wg_ok(index, out_features, in_features, group_size)
-    return ok
+    rows = _GROUPED_TC_MAX_ROWS.get(key)
+    if rows is None:
+        rows = _GROUPED_TC_MAX_ROWS[key] = _native.grouped_tc_max_rows(
+            index, out_features, in_features, group_size
+        )
+    return rows
 
 
 def moe_max_segments(pairs: int, num_experts: int, rows: int) -> int:
@@ -703,8 +711,8 @@ def awq_moe_gemv(
     position ``p`` in ``first .. first + min(count, rows)``,
     ``y[out_rows[p]] = x[x_rows[p]] @ dequant(W_e).T``; ids outside ``[0, E)`` give zeros.
     Returns ``y (pairs = out_rows.numel(), N)`` in ``x``'s dtype. CUDA: one kernel launch
-    (forge's SIMT GEMV for ``rows`` in {1, 2, 4}; the wgmma GEMM, a segment a block, for
-    ``rows`` in :data:`GROUPED_WG_ROWS` where :func:`grouped_wg_ok`); elsewhere a segment
+    (forge's SIMT GEMV for ``rows`` in {1, 2, 4}; a tensor-core GEMM, a segment a block, for
+    ``rows`` in :data:`GROUPED_TC_ROWS` up to :func:`grouped_tc_max_rows`); elsewhere a segment
     loop (reference)."""
     if x.is_cuda:
         return _cuda_moe_gemv(x, x_rows, out_rows, segments, qweight, qzeros, scales, group_size, rows)
@@ -932,10 +940,11 @@ class AwqExperts(nn.Module):
     32) and at most :data:`GROUPED_MAX_PAIRS` pairs, gate_up and down are one grouped GEMV
     launch each (gate_up reads the hidden rows of its pairs in place, outputs are per pair)
     and the top-k sum is taken in float32: no host sync, so CUDA graphs and
-    ``torch.compile(fullgraph=True)`` capture it. On an sm_90 GPU, with more than
-    :data:`GROUPED_WG_MIN_SHARE` pairs per expert (batched decode, prefill: any size), the
-    same two launches run the grouped form on tensor cores (:data:`GROUPED_WG`), where both
-    projections' shapes allow it. Otherwise (dense projections, other GPUs and shapes past
+    ``torch.compile(fullgraph=True)`` capture it. With more than
+    :data:`GROUPED_TC_MIN_SHARE` pairs per expert (batched decode, prefill: any size), the
+    same two launches run the grouped form on tensor cores (:data:`GROUPED_TC`: the wgmma GEMM
+    on an sm_90 GPU, the mma.sync GEMM on other GPUs from sm_80), where both projections'
+    shapes allow it. Otherwise (dense projections, older GPUs and shapes past
     :data:`GROUPED_MAX_PAIRS`, CPU) the experts run one by one after the per-expert counts
     are read back.
     """
@@ -997,20 +1006,20 @@ class AwqExperts(nn.Module):
 
     def _grouped_rows(self, hidden_states: torch.Tensor, pairs: int) -> int | None:
         """Rows per segment of the grouped launches for this call, or None for the per-expert
-        loop: the tensor-core form's (:func:`moe_wg_rows`) past
-        :data:`GROUPED_WG_MIN_SHARE` pairs per expert where :func:`grouped_wg_ok` holds for
-        both projections, else the SIMT GEMV's (:func:`moe_rows`) up to
-        :data:`GROUPED_MAX_PAIRS` pairs (a power-of-two group, out-features multiples of 32).
-        Both projections must be quantized."""
+        loop: the tensor-core form's (:func:`moe_tc_rows`, up to what
+        :func:`grouped_tc_max_rows` allows for both projections) past
+        :data:`GROUPED_TC_MIN_SHARE` pairs per expert, else the SIMT GEMV's (:func:`moe_rows`)
+        up to :data:`GROUPED_MAX_PAIRS` pairs (a power-of-two group, out-features multiples of
+        32). Both projections must be quantized."""
         if not (hidden_states.is_cuda and self.quantized_gate_up and self.quantized_down and pairs > 0):
             return None
         e, h, i, g = self.num_experts, self.hidden_dim, self.intermediate_dim, self.group_size
-        if GROUPED_WG and pairs > GROUPED_WG_MIN_SHARE * e:
+        if GROUPED_TC and pairs > GROUPED_TC_MIN_SHARE * e:
             dev = hidden_states.device
-            rows = moe_wg_rows(pairs, e)
+            max_rows = min(grouped_tc_max_rows(dev, h, 2 * i, g), grouped_tc_max_rows(dev, i, h, g))
+            rows = moe_tc_rows(pairs, e, max_rows)
             # (past ~8M pairs the segment table outgrows the launch's grid: the loop)
-            fits = moe_max_segments(pairs, e, rows) <= _native.GROUPED_MAX_SEGMENTS
-            if fits and grouped_wg_ok(dev, h, 2 * i, g) and grouped_wg_ok(dev, i, h, g):
+            if max_rows and moe_max_segments(pairs, e, rows) <= _native.GROUPED_MAX_SEGMENTS:
                 return rows
         if pairs <= GROUPED_MAX_PAIRS and g & (g - 1) == 0 and (2 * i) % 32 == 0 and h % 32 == 0:
             return moe_rows(hidden_states.shape[0], pairs, e)
