@@ -4,7 +4,7 @@ prompt's prefill) through ``forge.load_quantized`` (W4A16), with the runtime's d
 (``forge.runtime.DENSE_ROUTE``: calls of ``DENSE_MIN_ROWS`` rows or more dequantize, then
 cuBLAS) off and at each ``--min-rows`` threshold, against the bf16 original in the same
 process: the data behind ``DENSE_MIN_ROWS``. A MoE model also gets a row field with its
-experts run one by one (``forge.runtime.GROUPED_WG = False``) instead of the grouped
+experts run one by one (``forge.runtime.GROUPED_TC = False``) instead of the grouped
 tensor-core form.
 
     python benches/bench_prefill.py FORGED_DIR ORIG_DIR [--shapes 1x512 1x2048 4x2048]
@@ -45,7 +45,7 @@ def forward_seconds(model, ids: torch.Tensor, reps: int = 5) -> float:
 
 def timed(model, ids: torch.Tensor, **settings):
     """(seconds a forward, float32 logits) of the W4A16 ``model`` with ``forge.runtime``'s
-    module settings (``DENSE_ROUTE``, ``DENSE_MIN_ROWS``, ``GROUPED_WG``) set as given, and
+    module settings (``DENSE_ROUTE``, ``DENSE_MIN_ROWS``, ``GROUPED_TC``) set as given, and
     restored after."""
     from forge import runtime
 
@@ -104,7 +104,7 @@ def main() -> None:
             if moe:
                 # the experts one by one after reading the counts back, instead of the grouped
                 # tensor-core form
-                t_loop, loop = timed(w4, ids, DENSE_ROUTE=False, GROUPED_WG=False)
+                t_loop, loop = timed(w4, ids, DENSE_ROUTE=False, GROUPED_TC=False)
                 row["w4a16_moe_loop_tok_s"] = tokens / t_loop
                 row["grouped_vs_moe_loop"] = t_loop / t_fused
                 row["moe_loop_logits_max_abs_diff"] = float((loop - fused).abs().max())

@@ -17,14 +17,15 @@ adds eager generate rows (``disable_compile=True``).
 MoE layer (CUDA, ``--moe-micro``): one AwqExperts layer of the bench's DeepSeek-V3-like MoE
 (``--moe-shape``, default 64 experts, hidden 2048, expert 1408, top-6; G = 128, bf16) at T tokens, through the grouped
 GEMV (``grouped``: eager and inside a CUDA graph; up to 4096 pairs), through its tensor-core
-form (``grouped_wg``, sm_90, ``GROUPED_WG_MIN_SHARE = 0``: the same two launches, segments of
-16-128 rows), through the per-expert loop (``loop``, ``GROUPED_MAX_PAIRS = 0``, ``GROUPED_WG =
-False``; eager only, it reads the counts back) and, as the peers, the same layer in bf16 (the
-dequantized weights) as a loop of bf16 matmuls (``bf16 loop``) and as two
-``torch._grouped_mm`` calls (``bf16 grouped_mm``), T = 1 to 16384: the data behind
-``forge.runtime.GROUPED_MAX_PAIRS`` and ``GROUPED_WG_MIN_SHARE``. W4A16 decode rows of a
-model with AwqExperts say which path its experts take (``moe_path``: ``grouped``,
-``grouped_wg`` or ``loop``).
+form (``grouped_tc``, ``GROUPED_TC_MIN_SHARE = 0``: the same two launches, segments of 16-128
+rows; ``tc_kernel`` says which GEMM: ``wgmma`` on sm_90, ``mma.sync`` elsewhere or with
+``FORGE_GEMM_WG=0`` in the environment, which times the other GPUs' kernels on an H100 / H200),
+through the per-expert loop (``loop``, ``GROUPED_MAX_PAIRS = 0``, ``GROUPED_TC = False``; eager
+only, it reads the counts back) and, as the peers, the same layer in bf16 (the dequantized
+weights) as a loop of bf16 matmuls (``bf16 loop``) and as two ``torch._grouped_mm`` calls
+(``bf16 grouped_mm``), T = 1 to 16384: the data behind ``forge.runtime.GROUPED_MAX_PAIRS``
+and ``GROUPED_TC_MIN_SHARE``. W4A16 decode rows of a model with AwqExperts say which path
+its experts take (``moe_path``: ``grouped``, ``grouped_tc`` or ``loop``).
 
 Micro (CUDA, ``--micro``): M = 1 bf16 activations, K x N = 4096 x 4096 and 7168 x 2048
 (in_features x out_features), G = 128. ``eager_us``: wall time per call of back-to-back
@@ -136,7 +137,7 @@ def run_model(args) -> None:
     model = model.eval()
     vocab = model.config.get_text_config().vocab_size
     top_k = moe_top_k(model)
-    from forge.runtime import GROUPED_WG_ROWS, AwqExperts
+    from forge.runtime import GROUPED_TC_ROWS, AwqExperts
 
     experts = next((m for m in model.modules() if isinstance(m, AwqExperts)), None)
     for batch in args.batch:
@@ -146,7 +147,7 @@ def run_model(args) -> None:
             x = torch.empty(batch, experts.hidden_dim, device=args.device)
             rows = experts._grouped_rows(x, batch * top_k)
             row["moe_path"] = (
-                "loop" if rows is None else "grouped_wg" if rows in GROUPED_WG_ROWS else "grouped"
+                "loop" if rows is None else "grouped_tc" if rows in GROUPED_TC_ROWS else "grouped"
             )
         try:
             if mode == "graph_step":
@@ -213,10 +214,13 @@ def run_moe_micro(args) -> None:
     w_gu, w_dn = bf16.gate_up_proj, bf16.down_proj  # (E, 2I, H), (E, H, I)
     # impl -> the runtime settings that send every call of AwqExperts down one path
     settings = {
-        "grouped": {"GROUPED_MAX_PAIRS": 1 << 30, "GROUPED_WG": False},
-        "grouped_wg": {"GROUPED_WG": True, "GROUPED_WG_MIN_SHARE": 0},
-        "loop": {"GROUPED_MAX_PAIRS": 0, "GROUPED_WG": False},
+        "grouped": {"GROUPED_MAX_PAIRS": 1 << 30, "GROUPED_TC": False},
+        "grouped_tc": {"GROUPED_TC": True, "GROUPED_TC_MIN_SHARE": 0},
+        "loop": {"GROUPED_MAX_PAIRS": 0, "GROUPED_TC": False},
     }
+    dev = torch.device("cuda")
+    tc_rows = min(runtime.grouped_tc_max_rows(dev, h, 2 * i, g), runtime.grouped_tc_max_rows(dev, i, h, g))
+    tc_kernel = {128: "wgmma", 64: "mma.sync"}.get(tc_rows)
     default = {name: getattr(runtime, name) for d in settings.values() for name in d}
     for tokens in (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 16384):
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
@@ -224,11 +228,15 @@ def run_moe_micro(args) -> None:
         w, idx = torch.topk(logits.softmax(-1), top_k, dim=-1)
         ref = bf16(x, idx, w).float()
         calls = 200 if tokens <= 256 else 20
-        for impl in ("grouped", "grouped_wg", "loop", "bf16 loop", "bf16 grouped_mm"):
+        for impl in ("grouped", "grouped_tc", "loop", "bf16 loop", "bf16 grouped_mm"):
             if impl == "grouped" and tokens * top_k > 4 * 1024:
                 continue  # the SIMT GEMV re-reads an expert's weights every 4 rows
+            if impl == "grouped_tc" and tc_kernel is None:
+                continue  # no tensor-core form on this GPU for this shape
             row = {"bench": "moe_layer", "impl": impl, "tokens": tokens, "pairs": tokens * top_k}
             row.update({"experts": e, "hidden": h, "intermediate": i, "top_k": top_k, "group_size": g})
+            if impl == "grouped_tc":
+                row["tc_kernel"] = tc_kernel
             for name, value in settings.get(impl, {}).items():
                 setattr(runtime, name, value)
             layer = bf16 if impl == "bf16 loop" else mod
@@ -238,7 +246,7 @@ def run_moe_micro(args) -> None:
                 else:
                     fn = lambda x, layer=layer: layer(x, idx, w)  # noqa: E731
                 row["eager_us"] = round(_time_eager(fn, x, calls=calls), 2)
-                if impl in ("grouped", "grouped_wg"):
+                if impl in ("grouped", "grouped_tc"):
                     row["graph_us"] = round(_time_graph(fn, x, inner=16 if tokens <= 256 else 2), 2)
                 row["max_rel_err_vs_bf16"] = float((fn(x).float() - ref).abs().max() / ref.abs().max())
             except Exception as ex:
