@@ -383,7 +383,9 @@ GROUPED_MAX_PAIRS = 384
 #: eager, 1.12-1.27x the bf16 layer as two ``torch._grouped_mm`` calls and 2.7-18x the
 #: per-expert loop. At DeepSeek-V3's dimensions (256 experts of 2048, hidden 7168, top-8) the
 #: crossover is the same (512 pairs: 2945 against 2858 µs; 2048 pairs: 3468 against 8725), and
-#: from 256 tokens it is 1.22-2.18x ``_grouped_mm``. False: the SIMT GEMV up to
+#: from 256 tokens it is 1.22-2.18x ``_grouped_mm``. The mma.sync form, timed on the same H200
+#: with ``FORGE_GEMM_WG=0``, hands over from the SIMT GEMV at the same share and from 256 tokens
+#: is 2.8-51x the loop (64 experts) and 2.2-21x (DeepSeek-V3 dims). False: the SIMT GEMV up to
 #: :data:`GROUPED_MAX_PAIRS`, the loop past it.
 GROUPED_TC = True
 #: Pairs per expert (on average) past which the tensor-core form takes over from the SIMT GEMV.
