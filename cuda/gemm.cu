@@ -79,6 +79,30 @@ struct GroupedRoute {
     const int* segments;
     i64 ew, ez, es;
     int experts;
+
+    // This block's segment: sets `first` (its first sorted position) and moves qw, qz, sc to its
+    // expert's tensors; returns its rows (at most `tile`), or 0 when there is nothing to compute:
+    // a count of 0, or a masked expert, whose rows get zeros in the block's `cols` outputs from
+    // `col0` (those below N). Call after pdl_wait: the table is the previous kernel's output.
+    __device__ __forceinline__ int take_segment(int tile, int col0, int cols, int N, u16* y, int& first,
+                                                const u32* __restrict__& qw, const u32* __restrict__& qz,
+                                                const u16* __restrict__& sc) const {
+        const int* seg = segments + 3 * blockIdx.y;
+        first = seg[0];
+        const int rows = min(seg[1], tile), e = seg[2];
+        if (rows <= 0) return 0;
+        if (e < 0 || e >= experts) {
+            for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
+                const int n = col0 + i % cols;
+                if (n < N) y[(i64)out_rows[first + i / cols] * N + n] = 0;
+            }
+            return 0;
+        }
+        qw += e * ew;
+        qz += e * ez;
+        sc += e * es;
+        return rows;
+    }
 };
 
 template <int MT> struct GemmStages { static constexpr int value = MT == 1 ? 6 : (MT == 2 ? 5 : 4); };
@@ -110,21 +134,8 @@ __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const 
     const u16* xrow[GROUPED ? XC : 1];
     if constexpr (GROUPED) {
         pdl_wait();
-        const int* seg = route.segments + 3 * blockIdx.y;
-        first = seg[0];
-        M = min(seg[1], BM);
-        const int e = seg[2];
-        if (M <= 0) return;
-        if (e < 0 || e >= route.experts) {
-            for (int i = tid; i < M * 8 * GM_BW; i += 128) {
-                const int n = 8 * wc_block + (i & (8 * GM_BW - 1));
-                if (n < N) ((u16*)out)[(i64)route.out_rows[first + i / (8 * GM_BW)] * N + n] = 0;
-            }
-            return;
-        }
-        qw += e * route.ew;
-        qz += e * route.ez;
-        sc += e * route.es;
+        M = route.take_segment(BM, 8 * wc_block, 8 * GM_BW, N, (u16*)out, first, qw, qz, sc);
+        if (M == 0) return;
 #pragma unroll
         for (int i = 0; i < XC; i++) {
             const int row = (tid + 128 * i) >> 2;
@@ -377,19 +388,8 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     int first = 0;
     if constexpr (GROUPED) {
         pdl_wait();
-        const int* seg = route.segments + 3 * blockIdx.y;
-        first = seg[0];
-        M = min(seg[1], TN);
-        const int e = seg[2];
-        if (M <= 0) return;
-        if (e < 0 || e >= route.experts) {
-            for (int i = threadIdx.x; i < M * 128; i += WG_THREADS)
-                ((u16*)out)[(i64)route.out_rows[first + (i >> 7)] * N + 128 * blockIdx.x + (i & 127)] = 0;
-            return;
-        }
-        qw += e * route.ew;
-        qz += e * route.ez;
-        sc += e * route.es;
+        M = route.take_segment(TN, 128 * blockIdx.x, 128, N, (u16*)out, first, qw, qz, sc);
+        if (M == 0) return;
     }
     constexpr int XB = TN * WG_BK * 2;  // one x stage: TN rows of 128 bytes
     // x chunks a thread loads a stage (16 tokens: threads 0..127 load one each, the rest none).
