@@ -294,6 +294,8 @@ def test_moe_tc_rows_is_the_smallest_tile_holding_an_experts_share():
     # the mma.sync GEMM's tiles stop at 64 rows
     assert [moe_tc_rows(p, 16, 64) for p in pairs] == [32, 32, 64, 64, 64, 64, 64, 64]
     assert [moe_tc_rows(p, 16, 16) for p in pairs] == [16] * len(pairs)
+    with pytest.raises(ValueError, match="smallest tile"):
+        moe_tc_rows(512, 16, 0)
 
 
 def test_awq_experts_off_cuda_takes_no_grouped_launch():

@@ -411,8 +411,12 @@ def moe_tc_rows(pairs: int, num_experts: int, max_rows: int = GROUPED_TC_ROWS[-1
     ``num_experts`` experts, at most ``max_rows`` (:func:`grouped_tc_max_rows`): the smallest
     token tile that holds an expert's average share, so that most experts are one block row and
     the MMAs are no wider than they need."""
+    tiles = [r for r in GROUPED_TC_ROWS if r <= max_rows]
+    if not tiles:
+        raise ValueError(
+            f"max_rows {max_rows}: the smallest tile of the tensor-core form is {GROUPED_TC_ROWS[0]}"
+        )
     share = -(-pairs // max(num_experts, 1))
-    tiles = [r for r in GROUPED_TC_ROWS if r <= max_rows] or [GROUPED_TC_ROWS[0]]
     return next((r for r in tiles if r >= share), tiles[-1])
 
 
@@ -1019,9 +1023,9 @@ class AwqExperts(nn.Module):
         if GROUPED_TC and pairs > GROUPED_TC_MIN_SHARE * e:
             dev = hidden_states.device
             max_rows = min(grouped_tc_max_rows(dev, h, 2 * i, g), grouped_tc_max_rows(dev, i, h, g))
-            rows = moe_tc_rows(pairs, e, max_rows)
+            rows = moe_tc_rows(pairs, e, max_rows) if max_rows else 0
             # (past ~8M pairs the segment table outgrows the launch's grid: the loop)
-            if max_rows and moe_max_segments(pairs, e, rows) <= _native.GROUPED_MAX_SEGMENTS:
+            if rows and moe_max_segments(pairs, e, rows) <= _native.GROUPED_MAX_SEGMENTS:
                 return rows
         if pairs <= GROUPED_MAX_PAIRS and g & (g - 1) == 0 and (2 * i) % 32 == 0 and h % 32 == 0:
             return moe_rows(hidden_states.shape[0], pairs, e)
