@@ -21,7 +21,10 @@ the activation's device:
   :data:`GROUPED_MAX_PAIRS`) runs each projection as one grouped GEMV over all experts
   (``torch.ops.forge.awq_moe_gemv``): the pairs are sorted by expert on the GPU into a
   segment table (:func:`moe_route`: one kernel launch; :func:`moe_segments` is the same in
-  torch ops), nothing is read back, so that path captures too. Calls of at least
+  torch ops), nothing is read back, so that path captures too; with more pairs (batched
+  decode, prefill: past :data:`GROUPED_TC_MIN_SHARE` per expert) the same two launches run
+  the grouped form on tensor cores (the wgmma GEMM on sm_90, the mma.sync GEMM on other GPUs
+  from sm_80; :data:`GROUPED_TC`). Calls of at least
   :data:`DENSE_MIN_ROWS` rows (prefill, evaluation) dequantize the weight into a transient
   dense copy and multiply it with cuBLAS (:data:`DENSE_ROUTE`).
 * CPU: PyTorch's tinygemm int4 kernel (``aten._weight_int4pack_mm_for_cpu``) for bf16 and
