@@ -2869,6 +2869,40 @@ mod tests {
         assert_eq!(kernel(DType::Bf16, 4096, 704, 128, 0, (8, 0)), PerGroup);
     }
 
+    /// Which kernel runs the grouped tensor-core form, by device and shape (no GPU needed).
+    #[test]
+    fn grouped_tc_form_by_device_and_shape() {
+        use GroupedForm::{Mma, Wgmma};
+        let hopper = if knobs().wgmma_off { Mma } else { Wgmma }; // FORGE_GEMM_WG=0: mma.sync
+                                                                  // DeepSeek-V3's experts (gate_up 7168 -> 4096, down 2048 -> 7168, G = 128)
+        for (n, k) in [(4096, 7168), (7168, 2048)] {
+            assert_eq!(grouped_tc_form((9, 0), n, k, 128), Some(hopper));
+            for cc in [(8, 0), (8, 6), (8, 9), (10, 0), (12, 0)] {
+                assert_eq!(grouped_tc_form(cc, n, k, 128), Some(Mma), "{cc:?}");
+            }
+            assert_eq!(grouped_tc_form((7, 5), n, k, 128), None);
+        }
+        // Shapes the wgmma kernel does not take run mma.sync on sm_90 too: N % 128, G = 32,
+        // K % 64 (with G = 96).
+        assert_eq!(grouped_tc_form((9, 0), 352, 512, 32), Some(Mma));
+        assert_eq!(grouped_tc_form((9, 0), 512, 512, 32), Some(Mma));
+        assert_eq!(grouped_tc_form((9, 0), 512, 288, 96), Some(Mma));
+        // Neither: N % 32, G % 32, K not whole groups, an empty shape.
+        for (n, k, g) in [
+            (40, 512, 128),
+            (512, 576, 48),
+            (512, 200, 128),
+            (512, 0, 128),
+            (512, 512, 0),
+        ] {
+            assert_eq!(grouped_tc_form((9, 0), n, k, g), None, "({n}, {k}, {g})");
+            assert_eq!(grouped_tc_form((8, 0), n, k, g), None, "({n}, {k}, {g})");
+        }
+        assert_eq!(tc_max_rows(Some(Wgmma)), 128);
+        assert_eq!(tc_max_rows(Some(Mma)), GROUPED_MMA_MAX_ROWS);
+        assert_eq!(tc_max_rows(None), 0);
+    }
+
     #[test]
     fn grouped_plan_shapes() {
         for (rows, segs, n, k) in [
