@@ -289,8 +289,9 @@ def test_moe_tc_rows_is_the_smallest_tile_holding_an_experts_share():
 
     assert GROUPED_TC_ROWS == (16, 32, 64, 128)
     pairs = (385, 512, 513, 1024, 1025, 2048, 2049, 10**6)
-    assert [moe_tc_rows(p, 16) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 128]
-    assert [moe_tc_rows(p, 256) for p in (400, 4096, 4097, 16384, 16385)] == [16, 16, 32, 64, 128]
+    # the wgmma GEMM's tiles reach 128 rows
+    assert [moe_tc_rows(p, 16, 128) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 128]
+    assert [moe_tc_rows(p, 256, 128) for p in (400, 4096, 4097, 16384, 16385)] == [16, 16, 32, 64, 128]
     # the mma.sync GEMM's tiles stop at 64 rows
     assert [moe_tc_rows(p, 16, 64) for p in pairs] == [32, 32, 64, 64, 64, 64, 64, 64]
     assert [moe_tc_rows(p, 16, 16) for p in pairs] == [16] * len(pairs)

@@ -344,15 +344,18 @@ def uses_grouped(mod: AwqExperts, monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens,top_k", [(1, 6), (1, 8), (3, 6), (3, 8), (16, 6), (16, 8)])
-def test_awq_experts_grouped_matches_reference(tokens, top_k, dtype, monkeypatch):
+# tokens, top_k, rows a segment: one token's experts are distinct (1 row), up to 2 pairs an
+# expert on average 2 rows, past it 4 (16 experts)
+@pytest.mark.parametrize(
+    "tokens,top_k,rows", [(1, 6, 1), (1, 8, 1), (3, 6, 2), (3, 8, 2), (16, 6, 4), (16, 8, 4)]
+)
+def test_awq_experts_grouped_matches_reference(tokens, top_k, rows, dtype, monkeypatch):
     mod = random_experts(dtype)
     calls = uses_grouped(mod, monkeypatch)
     monkeypatch.setattr("forge.runtime.GROUPED_TC", False)  # the SIMT GEMV at every size here
     idx, w = routing(tokens, top_k, seed=tokens * 10 + top_k)
     x = torch.randn(tokens, HIDDEN, device="cuda").to(dtype)
     y = mod(x, idx, w)
-    rows = runtime.moe_rows(tokens, tokens * top_k, EXPERTS)
     assert calls == [rows, rows]  # gate_up and down, one launch each
     assert y.shape == x.shape and y.dtype == dtype
     assert rel_err(y, ref_moe(mod, x, idx, w)) < 2 * TOL[dtype]
@@ -473,13 +476,17 @@ def test_awq_moe_gemv_tensor_core_shapes_it_does_not_take():
         runtime._cuda_moe_gemv(x, tokens, order, seg, *mma_only, 32, 128)
 
 
-PREFILL = [(80, 6), (150, 6), (300, 8)]  # 480 / 900 / 2400 pairs: segments of 32, 64 and 128
+# tokens, top_k, rows a segment: 480 / 900 / 2400 pairs over 16 experts, 30 / 57 / 150 an expert
+# on average, take the tiles of 32, 64 and 128 rows (at most 64 on the mma.sync GEMM)
+PREFILL = [(80, 6, 32), (150, 6, 64), (300, 8, 128)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens,top_k", PREFILL)
+@pytest.mark.parametrize("tokens,top_k,tile", PREFILL)
 @pytest.mark.parametrize("inter,group", [(INTER, GROUP), MMA_ONLY])
-def test_awq_experts_prefill_takes_the_tensor_core_form(tokens, top_k, dtype, inter, group, monkeypatch):
+def test_awq_experts_prefill_takes_the_tensor_core_form(
+    tokens, top_k, tile, dtype, inter, group, monkeypatch
+):
     """Past GROUPED_TC_MIN_SHARE pairs per expert both projections are one tensor-core launch
     each (on sm_90 the wgmma GEMM for the first experts, the mma.sync GEMM for MMA_ONLY; on
     other GPUs the mma.sync GEMM for both), with the reference's result and the per-expert
@@ -490,7 +497,7 @@ def test_awq_experts_prefill_takes_the_tensor_core_form(tokens, top_k, dtype, in
     idx, w = routing(tokens, top_k, seed=tokens)
     x = torch.randn(tokens, HIDDEN, device="cuda").to(dtype)
     y = mod(x, idx, w)
-    rows = runtime.moe_tc_rows(tokens * top_k, EXPERTS, most)
+    rows = min(tile, most)
     assert calls == [rows, rows] and rows in runtime.GROUPED_TC_ROWS and rows <= most
     ref = ref_moe(mod, x, idx, w)
     assert y.shape == x.shape and y.dtype == dtype

@@ -409,7 +409,7 @@ def moe_rows(tokens: int, pairs: int, num_experts: int) -> int:
     return 2 if pairs <= 2 * num_experts else 4
 
 
-def moe_tc_rows(pairs: int, num_experts: int, max_rows: int = GROUPED_TC_ROWS[-1]) -> int:
+def moe_tc_rows(pairs: int, num_experts: int, max_rows: int) -> int:
     """Rows per segment of the grouped tensor-core form for ``pairs`` pairs over
     ``num_experts`` experts, at most ``max_rows`` (:func:`grouped_tc_max_rows`): the smallest
     token tile that holds an expert's average share, so that most experts are one block row and

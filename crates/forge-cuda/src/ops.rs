@@ -615,9 +615,10 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 
 /// Tuning knobs from the environment, read once per process (never per launch):
 /// `FORGE_GEMV=1|3`, `FORGE_GEMM_MT=1|2|4`, `FORGE_GEMM_WG=0` (the Hopper wgmma kernels
-/// off: the GEMVs to M = 16, the mma.sync kernel above; the grouped form's mma.sync kernel), `FORGE_GEMM_WG_SPLITS=1..8` (its K
-/// splits), `FORGE_GEMM_WG_CLUSTER=0|1` (its splits summed through a split-K workspace and
-/// a second kernel, or in a thread block cluster whenever the device can launch one),
+/// off: the GEMVs to M = 16, the mma.sync kernel above, and the grouped form's mma.sync
+/// kernel), `FORGE_GEMM_WG_SPLITS=1..8` (its K splits), `FORGE_GEMM_WG_CLUSTER=0|1` (its
+/// splits summed through a split-K workspace and a second kernel, or in a thread block cluster
+/// whenever the device can launch one),
 /// `FORGE_GEMM_WG_TOKENS=16|32|64|128` (its tokens a block) and `FORGE_TILED_WARPS=4..32` (the
 /// tiled GEMV's warps a block; the M > 8 kernel takes at most 16).
 #[derive(Clone, Copy, Debug, Default)]
@@ -2873,8 +2874,9 @@ mod tests {
     #[test]
     fn grouped_tc_form_by_device_and_shape() {
         use GroupedForm::{Mma, Wgmma};
-        let hopper = if knobs().wgmma_off { Mma } else { Wgmma }; // FORGE_GEMM_WG=0: mma.sync
-                                                                  // DeepSeek-V3's experts (gate_up 7168 -> 4096, down 2048 -> 7168, G = 128)
+        // FORGE_GEMM_WG=0 sends sm_90 to mma.sync too
+        let hopper = if knobs().wgmma_off { Mma } else { Wgmma };
+        // DeepSeek-V3's experts (gate_up 7168 -> 4096, down 2048 -> 7168, G = 128)
         for (n, k) in [(4096, 7168), (7168, 2048)] {
             assert_eq!(grouped_tc_form((9, 0), n, k, 128), Some(hopper));
             for cc in [(8, 0), (8, 6), (8, 9), (10, 0), (12, 0)] {
