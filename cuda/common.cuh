@@ -406,6 +406,8 @@ __device__ __forceinline__ u64 hw_desc(const void* p, u32 lbo) {
 #define FORGE_WG_ACC8_OPS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
 // Pins the accumulators: their definitions (the zeroing) stay before the MMA pipeline and
 // their uses after it (else ptxas serializes every wgmma, C7515).
+#define FORGE_WG_ACC256_OPS(d) FORGE_WG_ACC_OPS(d), FORGE_WG_ACC_OPS((d + 64))
+__device__ __forceinline__ void wg_fence_acc(float (&d)[128]) { asm volatile("" : FORGE_WG_ACC256_OPS(d)::"memory"); }
 __device__ __forceinline__ void wg_fence_acc(float (&d)[64]) { asm volatile("" : FORGE_WG_ACC_OPS(d)::"memory"); }
 __device__ __forceinline__ void wg_fence_acc(float (&d)[32]) { asm volatile("" : FORGE_WG_ACC32_OPS(d)::"memory"); }
 __device__ __forceinline__ void wg_fence_acc(float (&d)[16]) { asm volatile("" : FORGE_WG_ACC16_OPS(d)::"memory"); }

@@ -306,8 +306,9 @@ FORGE_GEMM_ENTRY(bf16, 2, true)
 FORGE_GEMM_ENTRY(bf16, 4, true)
 
 // ---- Hopper: wgmma (sm_90a), M > 4 ---------------------------------------------------------
-// yᵀ = W · xᵀ per block: 128 outputs n (16 word columns) × TN rows of x (tokens: 128, 64, 32 or
-// 16, the entry point's _t<TN>; ops.rs takes the smallest that holds M), two warpgroups, one m64
+// yᵀ = W · xᵀ per block: 128 outputs n (16 word columns) × TN rows of x (tokens: 256, 128, 64, 32
+// or 16, the entry point's _t<TN>; ops.rs takes the smallest that holds M up to 128, past it 128
+// or 256 by its cost model), two warpgroups, one m64
 // tile of the outputs each, its MMAs m64n<TN>k16. The weights are the MMA's A operand, dequantized
 // into registers; x is B, read by the MMA from shared memory (K-major, 128-byte swizzle: 16-byte
 // chunk c of row r at chunk c ^ (r % 8)). A thread of warpgroup j (warp w, groupID g,
@@ -339,6 +340,8 @@ FORGE_GEMM_ENTRY(bf16, 4, true)
                  ", %" A2 ", %" A3 "}, %" DB ", p, 1, 1, 0;\n}\n"                                             \
                  : OPS(d)                                                                                  \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+#define FORGE_WG_RS256(DT) \
+    FORGE_WG_RS("256", DT, FORGE_WG_ACC256_REGS, FORGE_WG_ACC256_OPS, "128", "129", "130", "131", "132", "133")
 #define FORGE_WG_RS128(DT) \
     FORGE_WG_RS("128", DT, FORGE_WG_ACC_REGS, FORGE_WG_ACC_OPS, "64", "65", "66", "67", "68", "69")
 #define FORGE_WG_RS64(DT) \
@@ -349,7 +352,10 @@ FORGE_GEMM_ENTRY(bf16, 4, true)
     FORGE_WG_RS("16", DT, FORGE_WG_ACC8_REGS, FORGE_WG_ACC8_OPS, "8", "9", "10", "11", "12", "13")
 template <bool BF, int TN>
 __device__ __forceinline__ void wgmma_rs_m64k16(float (&d)[TN / 2], const u32 a[4], u64 db) {
-    if constexpr (TN == 128) {
+    if constexpr (TN == 256) {
+        if (BF) FORGE_WG_RS256("bf16");
+        else FORGE_WG_RS256("f16");
+    } else if constexpr (TN == 128) {
         if (BF) FORGE_WG_RS128("bf16");
         else FORGE_WG_RS128("f16");
     } else if constexpr (TN == 64) {
@@ -359,11 +365,12 @@ __device__ __forceinline__ void wgmma_rs_m64k16(float (&d)[TN / 2], const u32 a[
         if (BF) FORGE_WG_RS32("bf16");
         else FORGE_WG_RS32("f16");
     } else {
-        static_assert(TN == 16, "wgmma token tiles: 16, 32, 64 or 128");
+        static_assert(TN == 16, "wgmma token tiles: 16, 32, 64, 128 or 256");
         if (BF) FORGE_WG_RS16("bf16");
         else FORGE_WG_RS16("f16");
     }
 }
+#undef FORGE_WG_RS256
 #undef FORGE_WG_RS128
 #undef FORGE_WG_RS64
 #undef FORGE_WG_RS32
@@ -664,6 +671,12 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
 FORGE_GEMM_WG_TILES(FORGE_GEMM_WG_ENTRY)
 FORGE_GEMM_WG_TILES(FORGE_GEMM_WGG_ENTRY)
 #undef FORGE_GEMM_WG_TILES
+// The plain GEMM's 256-token tile (m64n256 MMAs, 128 accumulators a thread: one block an SM).
+// ops.rs takes it past M = 128 where its cost model prices it below the 128-token tile: it
+// dequantizes each weight stage once for twice the MMAs (README, "A 256-token tile"). The
+// grouped form keeps 128 rows at most: its K is not split and its segments are short.
+FORGE_GEMM_WG_ENTRY(f16, false, 256)
+FORGE_GEMM_WG_ENTRY(bf16, true, 256)
 
 // Sum of split-K partials ws[splits, MN] in split order, converted to the output dtype; four
 // outputs a thread (16-byte loads) when `vec` (MN % 4 == 0; ops.rs sets it for large MN, where

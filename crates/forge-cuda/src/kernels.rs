@@ -95,6 +95,8 @@ impl Module {
                 "w4a16_awqg_bf16_m1",
                 "w4a16_awqg_bf16_m2",
                 "w4a16_awqg_bf16_m4",
+                "w4a16_wg_f16_t256",
+                "w4a16_wg_bf16_t256",
                 "w4a16_wg_f16_t128",
                 "w4a16_wg_bf16_t128",
                 "w4a16_wg_f16_t64",
@@ -165,6 +167,8 @@ pub fn dynamic_smem_limit(name: &str) -> Option<usize> {
         Some(crate::ops::HESSIAN_TC_SMEM as usize)
     } else if name.starts_with("hessian_wg") {
         Some(crate::ops::HESSIAN_WG_SMEM as usize)
+    } else if name.starts_with("w4a16_wg") && name.ends_with("_t256") {
+        Some(crate::ops::W4A16_WG256_SMEM as usize)
     } else if name.starts_with("w4a16_wg") {
         Some(crate::ops::W4A16_WG_SMEM_ALONE as usize)
     } else if name == "awq_quant_pack_f32" {

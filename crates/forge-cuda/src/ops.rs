@@ -619,8 +619,8 @@ fn simt_gemv(m: usize, n: usize) -> bool {
 /// kernel), `FORGE_GEMM_WG_SPLITS=1..8` (its K splits), `FORGE_GEMM_WG_CLUSTER=0|1` (its
 /// splits summed through a split-K workspace and a second kernel, or in a thread block cluster
 /// whenever the device can launch one),
-/// `FORGE_GEMM_WG_TOKENS=16|32|64|128` (its tokens a block) and `FORGE_TILED_WARPS=4..32` (the
-/// tiled GEMV's warps a block; the M > 8 kernel takes at most 16).
+/// `FORGE_GEMM_WG_TOKENS=16|32|64|128|256` (its tokens a block) and `FORGE_TILED_WARPS=4..32`
+/// (the tiled GEMV's warps a block; the M > 8 kernel takes at most 16).
 #[derive(Clone, Copy, Debug, Default)]
 struct Knobs {
     gemv: Option<usize>,
@@ -772,12 +772,16 @@ const WG_BN: usize = 128;
 const WG_BK: usize = 64;
 /// The wgmma kernel's token tiles (`w4a16_wg_<dt>_t<tokens>`: its MMAs are m64n<tokens>k16),
 /// largest first, each with the time of its stage against a 128-token one ([`wg_stage_us`]).
+/// 256 tokens: 1.4, from an H200 (README, "A 256-token tile"): at M = 1024-4096 on four
+/// DeepSeek-V3 shapes its blocks, one an SM, took 1.14-1.30x less time than 128-token blocks two
+/// an SM on 11 of 12 rows, and with 1.4 the plan's estimated ratios came within 13 % of the
+/// measured ones on 23 of 24 rows at M = 256 … 4096.
 /// Whole-call times on an H100 at M = 32 and the same grid (7168×2048 at 8 splits, 16384×7168
 /// at 7; for 64 tokens also 7168×18432 at 7) put 32 tokens at 0.74–0.84 and 64 at 0.80–0.88;
 /// 16 tokens took 0.91–0.92 of 32's whole-call time at M = 16 and the same grids on the four
 /// DeepSeek-V3 shapes of README "A 16-token tile" (there, 0.65–0.78 gives every one the same
 /// split count).
-const WG_TILES: [(usize, f64); 4] = [(128, 1.0), (64, 0.84), (32, 0.78), (16, 0.71)];
+const WG_TILES: [(usize, f64); 5] = [(256, 1.4), (128, 1.0), (64, 0.84), (32, 0.78), (16, 0.71)];
 /// Threads per block of the wgmma kernel: two warpgroups (cuda/gemm.cu `WG_THREADS`).
 const WG_THREADS: usize = 256;
 /// Most K splits of the wgmma kernel (bounds its fp32 workspace to 8·M·N floats).
@@ -803,27 +807,37 @@ const SM90_SMEM_PER_SM: u32 = 228 * 1024;
 /// blocks) took 32 µs two blocks an SM and 20.5 alone (README, "What bounds the M = 128
 /// kernel, and one block an SM").
 pub(crate) const W4A16_WG_SMEM_ALONE: u32 = SM90_SMEM_PER_SM / 2;
+/// Dynamic shared memory of `w4a16_wg_<dt>_t256`: 4 stages of a 256 × 64 x tile (32 KB) and the
+/// same weight and metadata stages, plus the 1 KB of alignment; the epilogue's 256 × 132 fp32
+/// tile reuses the first 132 KB. One block an SM (its 128 accumulators a thread allow no more).
+pub(crate) const W4A16_WG256_SMEM: u32 = 1024 + 4 * (256 * 64 * 2 + 64 * 20 * 4 + 80 * 4);
 
 /// The wgmma kernel's dynamic shared memory for a grid of `blocks` on `sms` SMs: alone on its
 /// SM when the grid fits them at one block each, else two blocks an SM.
-fn wg_smem(blocks: usize, sms: usize) -> u32 {
-    if blocks <= sms {
+fn wg_smem(blocks: usize, sms: usize, tokens: usize) -> u32 {
+    if tokens == 256 {
+        W4A16_WG256_SMEM
+    } else if blocks <= sms {
         W4A16_WG_SMEM_ALONE
     } else {
         W4A16_WG_SMEM
     }
 }
 
-/// µs a stage of a wgmma GEMM grid of `blocks` on `sms` SMs, measured on an H100
+/// µs a stage of a wgmma GEMM grid of `blocks` of `tokens` on `sms` SMs, measured on an H100
 /// (`FORGE_GEMM_WG_SPLITS`, 2026-11-26): a block alone on its SM takes ≈ 0.58 µs a stage; two
 /// blocks sharing an SM (88 KB each) ≈ 0.96 µs a stage for both. A grid of more blocks than SMs
 /// pays whole waves of two blocks an SM, its last wave at the alone rate when that wave holds no
 /// more blocks than SMs (7168×18432 at M = 192, 288 blocks: 2 · 0.96 predicted against 1.57 µs
-/// measured a stage; the per-SM count it replaced said 1.44).
-fn wg_stage_us(blocks: usize, sms: usize) -> f64 {
+/// measured a stage; the per-SM count it replaced said 1.44). 256-token blocks, one an SM, pay
+/// whole waves at the alone rate (their stage cost, [`WG_TILES`], applied by the caller).
+fn wg_stage_us(blocks: usize, sms: usize, tokens: usize) -> f64 {
     let sms = sms.max(1);
     if blocks <= sms {
         return 0.58;
+    }
+    if tokens == 256 {
+        return 0.58 * blocks.div_ceil(sms) as f64; // one block an SM: whole waves
     }
     let slots = 2 * sms;
     let (full, rem) = (blocks / slots, blocks % slots);
@@ -835,39 +849,50 @@ fn wg_stage_us(blocks: usize, sms: usize) -> f64 {
     0.96 * full as f64 + last
 }
 
-/// The wgmma kernel's token tile for M and its stage cost ([`WG_TILES`]): the smallest that
-/// holds M in one block, else 128. A smaller tile's MMAs are narrower, but every block
-/// dequantizes its weights again, and the dequantization, not the MMAs, holds most of a stage:
-/// on an H100 (README, "Token tiles of 32 and 64"), with M in one block, 32- and 64-token tiles
-/// ran 1.1–1.4× faster than 128 at M = 32 and 1.1–1.3× at M = 48 / 64, while two 64-token
-/// blocks instead of one of 128 ran 0.65–0.82× at M = 96 / 128. `forced` (a tile of
-/// [`WG_TILES`]) overrides the choice.
-fn wg_tile(m: usize, forced: Option<usize>) -> (usize, f64) {
-    let fits = |&(t, _): &(usize, f64)| forced.map_or(t >= m, |f| t == f);
-    WG_TILES.into_iter().rev().find(fits).unwrap_or(WG_TILES[0])
+/// The wgmma kernel's candidate token tiles for M, each with its stage cost ([`WG_TILES`]): up
+/// to M = 128 the smallest that holds M in one block; past it 128 and 256, between which the
+/// plan takes the one it prices lower ([`wg_splits`]; ties to 128). A smaller tile's MMAs are
+/// narrower, but every block dequantizes its weights again, and the dequantization, not the
+/// MMAs, holds most of a stage: on an H100 (README, "Token tiles of 32 and 64"), with M in one
+/// block, 32- and 64-token tiles ran 1.1–1.4× faster than 128 at M = 32 and 1.1–1.3× at
+/// M = 48 / 64, while two 64-token blocks instead of one of 128 ran 0.65–0.82× at M = 96 / 128;
+/// a 256-token block dequantizes once for twice the MMAs of a 128-token one (README, "A
+/// 256-token tile"). `forced` (a tile of [`WG_TILES`]) is the one candidate.
+fn wg_tiles(m: usize, forced: Option<usize>) -> Vec<(usize, f64)> {
+    let tile = |t: usize| WG_TILES.into_iter().find(|&(u, _)| u == t);
+    match forced {
+        Some(f) => tile(f).into_iter().collect(),
+        None if m > WG_BN => [128, 256].into_iter().filter_map(tile).collect(),
+        None => WG_TILES
+            .into_iter()
+            .rev()
+            .find(|&(t, _)| t >= m)
+            .into_iter()
+            .collect(),
+    }
 }
 
 /// K splits of the wgmma kernel for `base` blocks per split on `sms` SMs, `stages` 64-deep
-/// stages and `outputs` = M·N: the split count with the least estimated time, `clustered(s)`
-/// saying whether `s` splits would be summed in a thread block cluster. The loop by
-/// [`wg_stage_us`]; a split through the workspace adds its fp32 partials written and read back
+/// stages and `outputs` = M·N: the split count with the least estimated time, and that time
+/// (µs), `clustered(s)` saying whether `s` splits would be summed in a thread block cluster.
+/// The loop by [`wg_stage_us`]; a split through the workspace adds its fp32 partials written and read back
 /// (≈ 3 TB/s) and the reduction's launch (≈ 2 µs), one summed in a cluster the partials' trip
 /// through distributed shared memory at the same rate and ≈ 2 µs of barriers. On eight
 /// DeepSeek-V3 shapes at M = 64 … 512 (H100, README "The split count against every forced
 /// split") it keeps the per-SM model's pick on 42 of 48 rows, is 3–13 % faster on five
 /// (7168×18432 at M = 256: 179 → 157 µs) and 4–6 % slower on one (7168×18432 at M = 64, where
 /// it prices 3 and 4 splits 0.2 µs apart). Stages cost `stage_cost` times a 128-token stage
-/// ([`WG_TILES`]).
+/// ([`WG_TILES`]) of `tokens`.
 fn wg_splits(
     base: usize,
     sms: usize,
     stages: usize,
     outputs: usize,
-    stage_cost: f64,
+    (tokens, stage_cost): (usize, f64),
     clustered: &dyn Fn(usize) -> bool,
-) -> usize {
+) -> (usize, f64) {
     let cost = |s: usize| {
-        let mut us = stages.div_ceil(s) as f64 * wg_stage_us(base * s, sms) * stage_cost;
+        let mut us = stages.div_ceil(s) as f64 * wg_stage_us(base * s, sms, tokens) * stage_cost;
         if s > 1 {
             let passes = if clustered(s) { 2 * s } else { 2 * s + 1 };
             us += (passes * outputs * 4) as f64 / 3.0e6 + 2.0;
@@ -881,7 +906,6 @@ fn wg_splits(
             (1, f64::INFINITY),
             |best, c| if c.1 < best.1 { c } else { best },
         )
-        .0
 }
 
 /// Whether the wgmma kernel takes this shape (N a multiple of its 128 outputs a block, K and
@@ -895,7 +919,8 @@ fn wg_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
 #[derive(Clone, Copy)]
 struct WgDevice<'a> {
     sms: usize,
-    clustered: &'a dyn Fn((usize, usize, usize)) -> bool,
+    /// Whether (token tile, N blocks, M blocks, K splits) would be clustered.
+    clustered: &'a dyn Fn((usize, usize, usize, usize)) -> bool,
 }
 
 impl WgDevice<'static> {
@@ -924,23 +949,33 @@ fn gemm_plan(
         let wg_sms = wg.sms;
         let nblocks = n / WG_BN;
         let stages = k / WG_BK;
-        let (tokens, stage_cost) = wg_tile(m, knobs().gemm_wg_tokens);
-        let mblocks = m.div_ceil(tokens);
-        // One split has nothing to sum.
-        let clustered = |s: usize| s > 1 && (wg.clustered)((nblocks, mblocks, s));
-        let splits = knobs()
-            .gemm_wg_splits
-            .unwrap_or_else(|| {
-                wg_splits(
+        // Each candidate tile priced at its best split count; ties to the first (the smaller).
+        let (tokens, splits, _) = wg_tiles(m, knobs().gemm_wg_tokens)
+            .into_iter()
+            .map(|(tokens, stage_cost)| {
+                let mblocks = m.div_ceil(tokens);
+                let clustered = |s: usize| s > 1 && (wg.clustered)((tokens, nblocks, mblocks, s));
+                let (splits, us) = wg_splits(
                     nblocks * mblocks,
                     wg_sms,
                     stages,
                     m * n,
-                    stage_cost,
+                    (tokens, stage_cost),
                     &clustered,
-                )
+                );
+                (tokens, splits, us)
             })
-            .min(stages.max(1));
+            .fold((WG_BN, 1, f64::INFINITY), |best, c| {
+                if c.2 < best.2 {
+                    c
+                } else {
+                    best
+                }
+            });
+        let mblocks = m.div_ceil(tokens);
+        // One split has nothing to sum.
+        let clustered = |s: usize| s > 1 && (wg.clustered)((tokens, nblocks, mblocks, s));
+        let splits = knobs().gemm_wg_splits.unwrap_or(splits).min(stages.max(1));
         let per = stages.div_ceil(splits).max(1);
         let splits = stages.div_ceil(per);
         return GemmPlan {
@@ -950,7 +985,7 @@ fn gemm_plan(
             splits,
             cluster: clustered(splits),
             k_chunk: per * WG_BK,
-            smem: wg_smem(nblocks * mblocks * splits, wg_sms) as usize,
+            smem: wg_smem(nblocks * mblocks * splits, wg_sms, tokens) as usize,
             threads: WG_THREADS,
             block_n: WG_BN,
         };
@@ -1139,9 +1174,13 @@ fn plan_uncached(
     );
     let f = dev.function(gemm_kernel_name(act, &probe)?)?;
     let occ = dev.occupancy(f, probe.threads as u32, probe.smem);
-    // Only consulted when the probe chose the wgmma kernel, so `f` is that kernel, of the same
-    // token tile (the tile depends on M alone).
-    let clustered = |grid| wg_clustered(dev, f, grid);
+    // Only consulted when the probe chose the wgmma kernel: asks the driver about the candidate
+    // tile's own kernel (a missing or unloadable one is never clustered).
+    let clustered = |(tokens, nblocks, mblocks, splits)| {
+        let name = kernel_named(format!("w4a16_wg_{}_t{tokens}", act.suffix()));
+        name.and_then(|name| dev.function(name))
+            .is_ok_and(|f| wg_clustered(dev, f, (nblocks, mblocks, splits), tokens))
+    };
     let plan = gemm_plan(
         sms * occ,
         m,
@@ -1157,16 +1196,22 @@ fn plan_uncached(
     Ok((plan, f))
 }
 
-/// Whether the wgmma kernel `f` sums the K splits of a grid of (N blocks, M blocks, splits)
-/// in thread block clusters on `dev`: [`cluster_pays`] on the device's cluster occupancy at the
-/// plan's shared memory for that grid, unless `FORGE_GEMM_WG_CLUSTER` forces either path.
-fn wg_clustered(dev: &Device, f: Func, (nblocks, mblocks, splits): (usize, usize, usize)) -> bool {
+/// Whether the wgmma kernel `f` (of `tokens`) sums the K splits of a grid of (N blocks, M
+/// blocks, splits) in thread block clusters on `dev`: [`cluster_pays`] on the device's cluster
+/// occupancy at the plan's shared memory for that grid, unless `FORGE_GEMM_WG_CLUSTER` forces
+/// either path.
+fn wg_clustered(
+    dev: &Device,
+    f: Func,
+    (nblocks, mblocks, splits): (usize, usize, usize),
+    tokens: usize,
+) -> bool {
     let forced = knobs().gemm_wg_cluster;
     if forced == Some(0) {
         return false;
     }
     let sms = dev.sm_count.max(1) as usize;
-    let smem = wg_smem(nblocks * mblocks * splits, sms);
+    let smem = wg_smem(nblocks * mblocks * splits, sms, tokens);
     let dims = (
         (nblocks as u32, mblocks as u32, splits as u32),
         (WG_THREADS as u32, 1, 1),
@@ -3479,27 +3524,48 @@ mod tests {
     #[test]
     fn wg_splits_count_waves_and_cluster_sums() {
         // One wave alone, two blocks an SM, whole waves with a last wave alone.
-        assert_eq!(wg_stage_us(112, 132), 0.58);
-        assert_eq!(wg_stage_us(264, 132), 0.96);
-        assert!((wg_stage_us(288, 132) - (0.96 + 0.58)).abs() < 1e-12);
-        assert!((wg_stage_us(576, 132) - (2.0 * 0.96 + 0.58)).abs() < 1e-12);
+        assert_eq!(wg_stage_us(112, 132, 128), 0.58);
+        assert_eq!(wg_stage_us(264, 132, 128), 0.96);
+        assert!((wg_stage_us(288, 132, 128) - (0.96 + 0.58)).abs() < 1e-12);
+        assert!((wg_stage_us(576, 132, 128) - (2.0 * 0.96 + 0.58)).abs() < 1e-12);
         // H100, every split count forced (README, "The split count against every forced
         // split"): 7168×18432 at M = 256 (144 × 2 tiles, 112 stages) ran 180 µs unsplit and 158
         // at 2 splits in clusters (clusters of up to 4 pay there); through the workspace 2
         // splits cost more than they save.
         let (tiles, outputs) = (288, 256 * 18432);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|s| s <= 4), 2);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|_| false), 1);
+        assert_eq!(
+            wg_splits(tiles, 132, 112, outputs, (128, 1.0), &|s| s <= 4).0,
+            2
+        );
+        assert_eq!(
+            wg_splits(tiles, 132, 112, outputs, (128, 1.0), &|_| false).0,
+            1
+        );
         // 7168×2048 at M = 512 (16 × 4 tiles): 34.8 µs at 2 splits in clusters against 38.6 at
         // 4 through the workspace (clusters of 4 do not pay there).
         let (tiles, outputs) = (64, 512 * 2048);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|s| s <= 3), 2);
-        assert_eq!(wg_splits(tiles, 132, 112, outputs, 1.0, &|_| false), 4);
+        assert_eq!(
+            wg_splits(tiles, 132, 112, outputs, (128, 1.0), &|s| s <= 3).0,
+            2
+        );
+        assert_eq!(
+            wg_splits(tiles, 132, 112, outputs, (128, 1.0), &|_| false).0,
+            4
+        );
         // Rows the model already picked well keep their counts: 2048×7168 at M = 128 2 splits,
         // 7168×18432 at M = 128 3, q_a 7168×1536 at M = 128 8 (all in clusters).
-        assert_eq!(wg_splits(56, 132, 32, 128 * 7168, 1.0, &|s| s <= 4), 2);
-        assert_eq!(wg_splits(144, 132, 112, 128 * 18432, 1.0, &|s| s <= 4), 3);
-        assert_eq!(wg_splits(12, 132, 112, 128 * 1536, 1.0, &|_| true), 8);
+        assert_eq!(
+            wg_splits(56, 132, 32, 128 * 7168, (128, 1.0), &|s| s <= 4).0,
+            2
+        );
+        assert_eq!(
+            wg_splits(144, 132, 112, 128 * 18432, (128, 1.0), &|s| s <= 4).0,
+            3
+        );
+        assert_eq!(
+            wg_splits(12, 132, 112, 128 * 1536, (128, 1.0), &|_| true).0,
+            8
+        );
     }
 
     #[test]
@@ -3529,11 +3595,11 @@ mod tests {
             let GemmKernel::Wgmma { tokens } = p.kernel else {
                 panic!("{p:?}")
             };
-            // The smallest tile that holds M (or the smallest of all).
+            // The smallest tile that holds M (or the smallest of all); past 128, 128 or 256.
             let smallest = WG_TILES[WG_TILES.len() - 1].0;
             assert!(
                 WG_TILES.iter().any(|&(t, _)| t == tokens)
-                    && (tokens == smallest || tokens / 2 < m),
+                    && (tokens == smallest || tokens / 2 < m || (m > 128 && tokens == 128)),
                 "{p:?}"
             );
             assert!(
@@ -3549,18 +3615,38 @@ mod tests {
                 "{p:?}"
             );
         }
-        // The smallest token tile that holds M, else 128 (several narrower blocks would each
+        // Up to 128 the smallest token tile that holds M (several narrower blocks would each
         // dequantize the weights again).
-        let tokens = |m| match plan(m, 7168, 2048).kernel {
+        let tokens = |m, n, k| match plan(m, n, k).kernel {
             GemmKernel::Wgmma { tokens } => tokens,
-            k => panic!("{k:?}"),
+            kernel => panic!("{kernel:?}"),
         };
         assert_eq!(
-            [5, 16, 17, 32, 33, 64, 65, 128, 129, 300].map(tokens),
-            [16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
+            [5, 16, 17, 32, 33, 64, 65, 128].map(|m| tokens(m, 7168, 2048)),
+            [16, 16, 32, 32, 64, 64, 128, 128]
         );
+        // Past 128, the tile priced lower. On an H200 (README, "A 256-token tile") 256 tokens
+        // ran 1.00-1.30x faster at M = 1024-4096 on the four DeepSeek-V3 shapes (11 of 12 rows
+        // 1.14x or more), and 128 tokens 1.17-1.26x faster at M = 384 on the two large ones
+        // (three 128-token blocks against two 256-token blocks, the second half empty).
+        for (n, k) in [(2048, 7168), (7168, 2048), (18432, 7168), (7168, 18432)] {
+            assert_eq!(
+                [1024, 2048, 4096].map(|m| tokens(m, n, k)),
+                [256; 3],
+                "{n}x{k}"
+            );
+        }
+        // (The GPU test's shapes for the 256-token tile, gemm_case at M = 1024 and 600.)
+        assert_eq!(
+            [tokens(1024, 4096, 512), tokens(600, 4096, 512)],
+            [256, 256]
+        );
+        assert_eq!(tokens(384, 18432, 7168), 128);
+        assert_eq!(tokens(384, 7168, 18432), 128);
         // FORGE_GEMM_WG_TOKENS forces a tile whatever M.
-        assert_eq!([5, 100, 300].map(|m| wg_tile(m, Some(32)).0), [32; 3]);
+        assert_eq!(wg_tiles(300, Some(32)), [(32, 0.78)]);
+        assert_eq!(wg_tiles(5, Some(256)), [(256, 1.4)]);
+        assert_eq!(wg_tiles(300, None), [(128, 1.0), (256, 1.4)]);
         // A 16-block grid splits 8 ways, a 56-block one twice, 144 blocks (just over one wave)
         // 3-4 ways; a grid of many waves not at all.
         let splits = |m, n, k| plan(m, n, k).splits;
@@ -3574,9 +3660,11 @@ mod tests {
         let smem = |m, n, k| plan(m, n, k).smem;
         assert_eq!(smem(256, 7168, 2048), W4A16_WG_SMEM_ALONE as usize); // 112 blocks
         assert_eq!(smem(128, 18432, 7168), W4A16_WG_SMEM as usize); // 144 blocks, split
-        assert_eq!(smem(1024, 7168, 2048), W4A16_WG_SMEM as usize); // 448 blocks
+        assert_eq!(smem(384, 18432, 7168), W4A16_WG_SMEM as usize); // 432 blocks
+        assert_eq!(smem(4096, 7168, 2048), W4A16_WG256_SMEM as usize); // 256 tokens
         let per_sm = |smem: u32| (228 * 1024) / (smem as usize + 1024);
         assert_eq!((per_sm(W4A16_WG_SMEM_ALONE), per_sm(W4A16_WG_SMEM)), (1, 2));
+        assert_eq!(per_sm(W4A16_WG256_SMEM), 1);
         // M <= 4 keeps a GEMV; shapes the kernel cannot take keep the tiled kernel.
         assert!(plan(4, 2048, 7168).kernel.takes_log2_group());
         assert!(

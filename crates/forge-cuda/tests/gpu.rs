@@ -704,6 +704,19 @@ fn w4a16_gemm_matches_cpu() {
                 gemm_case(m, 1152, 128, 192, act, seed + 2);
                 seed += 3;
             }
+            if m == 200 {
+                // Hopper's 256-token tile, which the plan takes for these (ops.rs
+                // gemm_plan_wgmma_shapes): whole tiles, and a partial third one (600 rows).
+                for (m, k, n, g) in [(1024, 512, 4096, 128), (600, 512, 4096, 64)] {
+                    let plan = ops::w4a16_plan(0, act, m, n, k, g).unwrap();
+                    assert!(
+                        !plan.starts_with("w4a16_wg_") || plan.contains("_t256 "),
+                        "{plan}"
+                    );
+                    gemm_case(m, k, n, g, act, seed);
+                    seed += 1;
+                }
+            }
             if m == 128 {
                 // Wide enough for the 4-m16-tile kernel; and K split over enough outputs
                 // (128 x 1024) for the reduction's four-at-a-time path.
