@@ -284,6 +284,26 @@ def route_reference(ids: list[list[int]], e: int, rows: int, nseg: int):
     return order, [p // k for p in order], segs
 
 
+@pytest.mark.parametrize("group", [16, 32, 48, 64, 96, 128, 192, 256, 1024])
+def test_grouped_gemv_shape_rule(group):
+    # The SIMT grouped GEMV's rule, written out here: a power-of-two group of at least 32,
+    # whole groups of in features, out features a positive multiple of 32. The runtime asks the
+    # native layer, whose launch validation applies the same rule.
+    from forge.runtime import grouped_gemv_shape_ok
+
+    for k in (0, 16, 32, 96, 128, 384, 1408, 2048, 7168):
+        for n in (0, 8, 32, 96, 100, 2816, 7168):
+            want = (
+                group >= 32
+                and group & (group - 1) == 0
+                and k > 0
+                and k % group == 0
+                and n > 0
+                and n % 32 == 0
+            )
+            assert grouped_gemv_shape_ok(k, n, group) == want, (k, n, group)
+
+
 def test_moe_tc_rows_is_the_smallest_tile_holding_an_experts_share():
     from forge.runtime import GROUPED_TC_ROWS, moe_tc_rows
 

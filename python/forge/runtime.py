@@ -440,6 +440,15 @@ def grouped_tc_max_rows(dev: torch.device, in_features: int, out_features: int, 
     return rows
 
 
+@torch.compiler.assume_constant_result
+def grouped_gemv_shape_ok(in_features: int, out_features: int, group_size: int) -> bool:
+    """Whether the grouped GEMV (1, 2 or 4 rows a segment, :func:`moe_rows`) takes experts
+    of these features and group size: a power-of-two group of at least 32, whole groups of in
+    features, out features a multiple of 32. The rule its launch checks, asked of the native
+    layer; a constant of the shape (``torch.compile`` calls it once while tracing)."""
+    return _native.grouped_gemv_shape_ok(out_features, in_features, group_size)
+
+
 def moe_max_segments(pairs: int, num_experts: int, rows: int) -> int:
     """Upper bound on the segments of ``pairs`` pairs over ``num_experts`` experts plus the
     invalid-id bucket, in runs of at most ``rows``: sum_b ceil(c_b / rows) over the
@@ -1018,8 +1027,8 @@ class AwqExperts(nn.Module):
         loop: the tensor-core form's (:func:`moe_tc_rows`, up to what
         :func:`grouped_tc_max_rows` allows for both projections) past
         :data:`GROUPED_TC_MIN_SHARE` pairs per expert, else the SIMT GEMV's (:func:`moe_rows`)
-        up to :data:`GROUPED_MAX_PAIRS` pairs (a power-of-two group, out-features multiples of
-        32). Both projections must be quantized."""
+        up to :data:`GROUPED_MAX_PAIRS` pairs where it takes both projections
+        (:func:`grouped_gemv_shape_ok`). Both projections must be quantized."""
         if not (hidden_states.is_cuda and self.quantized_gate_up and self.quantized_down and pairs > 0):
             return None
         e, h, i, g = self.num_experts, self.hidden_dim, self.intermediate_dim, self.group_size
@@ -1030,7 +1039,11 @@ class AwqExperts(nn.Module):
             # (past ~8M pairs the segment table outgrows the launch's grid: the loop)
             if rows and moe_max_segments(pairs, e, rows) <= _native.GROUPED_MAX_SEGMENTS:
                 return rows
-        if pairs <= GROUPED_MAX_PAIRS and g & (g - 1) == 0 and (2 * i) % 32 == 0 and h % 32 == 0:
+        if (
+            pairs <= GROUPED_MAX_PAIRS
+            and grouped_gemv_shape_ok(h, 2 * i, g)
+            and grouped_gemv_shape_ok(i, h, g)
+        ):
             return moe_rows(hidden_states.shape[0], pairs, e)
         return None
 

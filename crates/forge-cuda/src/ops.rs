@@ -1811,6 +1811,22 @@ fn grouped_tc_form(cc: (i32, i32), n: usize, k: usize, g: usize) -> Option<Group
     (cc >= (8, 0) && grouped_mma_shape_ok(n, g)).then_some(GroupedForm::Mma)
 }
 
+/// The SIMT grouped GEMV's shape rule (rows 1, 2 and 4): a power-of-two group of at least 32,
+/// `k` whole groups and `n` a positive multiple of 32.
+fn grouped_gemv_shape(n: usize, k: usize, g: usize) -> Result<()> {
+    if g < 32 || !g.is_power_of_two() {
+        return Err(CudaError::arg("group_size", "a power of two >= 32", g));
+    }
+    check_w4a16_shape(n, k, g)
+}
+
+/// Whether the grouped GEMV (rows 1, 2 and 4 of [`GROUPED_ROWS`]) takes experts of `k` in
+/// features, `n` out features and group size `group_size`: the rule [`GroupedGemv::validate`]
+/// applies, asked without arguments to check (the runtime picks its path by it).
+pub fn grouped_gemv_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
+    grouped_gemv_shape(n, k, group_size).is_ok()
+}
+
 fn grouped_mma_shape_ok(n: usize, g: usize) -> bool {
     n > 0 && n.is_multiple_of(32) && g.is_multiple_of(GEMM_BK)
 }
@@ -1917,10 +1933,11 @@ impl GroupedGemv {
         check_nonzero("experts", self.experts)?;
         check_count("num_segments", self.num_segments, GROUPED_MAX_SEGMENTS)?;
         let g = self.group_size;
-        if !tc && (g < 32 || !g.is_power_of_two()) {
-            return Err(CudaError::arg("group_size", "a power of two >= 32", g));
+        if tc {
+            check_w4a16_shape(self.n, self.k, g)?;
+        } else {
+            grouped_gemv_shape(self.n, self.k, g)?;
         }
-        check_w4a16_shape(self.n, self.k, g)?;
         // On tensor cores: the shapes one of the two kernels takes (which one runs is the
         // device's choice, at launch); the largest tile only on the wgmma kernel's.
         let mma_ok = self.rows <= GROUPED_MMA_MAX_ROWS && grouped_mma_shape_ok(self.n, g);

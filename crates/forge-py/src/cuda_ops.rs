@@ -592,6 +592,13 @@ pub fn grouped_tc_max_rows(
     cu::grouped_tc_max_rows(device, n, k, group_size).map_err(|e| cuda_err(py, e))
 }
 
+/// Whether the grouped GEMV (1, 2 or 4 rows a segment) takes experts of `k` in features, `n`
+/// out features and group size `group_size` (see `forge_cuda::ops::grouped_gemv_shape_ok`).
+#[pyfunction]
+pub fn grouped_gemv_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
+    cu::grouped_gemv_shape_ok(n, k, group_size)
+}
+
 /// Rows of the grouped GEMV's segment table for `pairs` pairs over `experts` experts in
 /// segments of at most `rows` (see `forge_cuda::ops::moe_max_segments`).
 #[pyfunction]

@@ -55,6 +55,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_ops::moe_max_segments, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::tile_shape_ok, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::grouped_tc_max_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::grouped_gemv_shape_ok, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tile_repack_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::awq_dequant_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_tiled_launch, m)?)?;
