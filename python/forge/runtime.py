@@ -134,7 +134,9 @@ DENSE_ROUTE = True
 #: --only dense``), and a forged 1.2B Llama's forward over 4096-16384 tokens ran 1.14-1.23x
 #: faster with it (``benches/bench_prefill.py``). From 1024 rows the kernels alone gained
 #: 1.00-1.16x, but the model's forward at 1024-2048 tokens measured 0.73-1.40x over repeated
-#: runs, so the route starts at 4096.
+#: runs, so the route starts at 4096. Since the fused kernel's 256-token tile (session 47) the
+#: route runs at 0.94-0.98x the fused kernel's speed at 1024 rows, 1.03-1.17x at 2048 and
+#: 1.10-1.31x at 4096 (same bench), so 4096 stays.
 DENSE_MIN_ROWS = 4096
 #: Largest transient dense weight, in bytes, the dense route makes; larger layers keep the
 #: fused kernel (a DeepSeek-V3 dense MLP projection, 7168 x 18432, takes 264 MB in bf16).
