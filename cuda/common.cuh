@@ -395,6 +395,8 @@ __device__ __forceinline__ u64 hw_desc(const void* p, u32 lbo) {
 // The 128 accumulators of an m64n256 wgmma, bound as two halves of 64 (columns 0-127 and
 // 128-255, each laid out as an m64n128's): FORGE_WG_ACC_OPS(lo), FORGE_WG_ACC_OPS(hi).
 #define FORGE_WG_ACC256_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
+// The same 128 bound as one array (an m64n256 with A from registers).
+#define FORGE_WG_ACC256_OPS(d) FORGE_WG_ACC_OPS(d), FORGE_WG_ACC_OPS((d + 64))
 // The same for the 32 of an m64n64 wgmma, the 16 of an m64n32 and the 8 of an m64n16.
 #define FORGE_WG_ACC32_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define FORGE_WG_ACC32_OPS(d) \
@@ -406,7 +408,6 @@ __device__ __forceinline__ u64 hw_desc(const void* p, u32 lbo) {
 #define FORGE_WG_ACC8_OPS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
 // Pins the accumulators: their definitions (the zeroing) stay before the MMA pipeline and
 // their uses after it (else ptxas serializes every wgmma, C7515).
-#define FORGE_WG_ACC256_OPS(d) FORGE_WG_ACC_OPS(d), FORGE_WG_ACC_OPS((d + 64))
 __device__ __forceinline__ void wg_fence_acc(float (&d)[128]) { asm volatile("" : FORGE_WG_ACC256_OPS(d)::"memory"); }
 __device__ __forceinline__ void wg_fence_acc(float (&d)[64]) { asm volatile("" : FORGE_WG_ACC_OPS(d)::"memory"); }
 __device__ __forceinline__ void wg_fence_acc(float (&d)[32]) { asm volatile("" : FORGE_WG_ACC32_OPS(d)::"memory"); }

@@ -308,8 +308,8 @@ FORGE_GEMM_ENTRY(bf16, 4, true)
 // ---- Hopper: wgmma (sm_90a), M > 4 ---------------------------------------------------------
 // yᵀ = W · xᵀ per block: 128 outputs n (16 word columns) × TN rows of x (tokens: 256, 128, 64, 32
 // or 16, the entry point's _t<TN>; ops.rs takes the smallest that holds M up to 128, past it 128
-// or 256 by its cost model), two warpgroups, one m64
-// tile of the outputs each, its MMAs m64n<TN>k16. The weights are the MMA's A operand, dequantized
+// or 256 by its cost model), two warpgroups, one m64 tile of the outputs each, its MMAs
+// m64n<TN>k16. The weights are the MMA's A operand, dequantized
 // into registers; x is B, read by the MMA from shared memory (K-major, 128-byte swizzle: 16-byte
 // chunk c of row r at chunk c ^ (r % 8)). A thread of warpgroup j (warp w, groupID g,
 // thread-in-group t) owns word column 4w + g%4 and reads its words at k = 2t, 2t+1, 2t+8, 2t+9 of
