@@ -17,8 +17,8 @@ adds eager generate rows (``disable_compile=True``).
 MoE layer (CUDA, ``--moe-micro``): one AwqExperts layer of the bench's DeepSeek-V3-like MoE
 (``--moe-shape``, default 64 experts, hidden 2048, expert 1408, top-6; G = 128, bf16) at T tokens, through the grouped
 GEMV (``grouped``: eager and inside a CUDA graph; up to 4096 pairs), through its tensor-core
-form (``grouped_tc``, ``GROUPED_TC_MIN_SHARE = 0``: the same two launches, segments of 16-128
-rows; ``tc_kernel`` says which GEMM: ``wgmma`` on sm_90, ``mma.sync`` elsewhere or with
+form (``grouped_tc``, ``GROUPED_TC_MIN_SHARE = 0``: the same two launches, segments of 16-256
+rows (256 only for long K and 512 pairs an expert: ``GROUPED_TC_WIDE_MIN_SHARE``); ``tc_kernel`` says which GEMM: ``wgmma`` on sm_90, ``mma.sync`` elsewhere or with
 ``FORGE_GEMM_WG=0`` in the environment, which times the other GPUs' kernels on an H100 / H200),
 through the per-expert loop (``loop``, ``GROUPED_MAX_PAIRS = 0``, ``GROUPED_TC = False``; eager
 only, it reads the counts back) and, as the peers, the same layer in bf16 (the dequantized
@@ -220,7 +220,7 @@ def run_moe_micro(args) -> None:
     }
     dev = torch.device("cuda")
     tc_rows = min(runtime.grouped_tc_max_rows(dev, h, 2 * i, g), runtime.grouped_tc_max_rows(dev, i, h, g))
-    tc_kernel = {128: "wgmma", 64: "mma.sync"}.get(tc_rows)
+    tc_kernel = {256: "wgmma", 64: "mma.sync"}.get(tc_rows)
     default = {name: getattr(runtime, name) for d in settings.values() for name in d}
     for tokens in (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 16384):
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)

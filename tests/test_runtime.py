@@ -307,16 +307,21 @@ def test_grouped_gemv_shape_rule(group):
 def test_moe_tc_rows_is_the_smallest_tile_holding_an_experts_share():
     from forge.runtime import GROUPED_TC_ROWS, moe_tc_rows
 
-    assert GROUPED_TC_ROWS == (16, 32, 64, 128)
+    assert GROUPED_TC_ROWS == (16, 32, 64, 128, 256)
+    short, long = 1728, 4608  # mean in features: 64 x 2048 x 1408 experts; DeepSeek-V3's
     pairs = (385, 512, 513, 1024, 1025, 2048, 2049, 10**6)
-    # the wgmma GEMM's tiles reach 128 rows
-    assert [moe_tc_rows(p, 16, 128) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 128]
-    assert [moe_tc_rows(p, 256, 128) for p in (400, 4096, 4097, 16384, 16385)] == [16, 16, 32, 64, 128]
+    # the wgmma GEMM's tiles up to 128 rows, and 256 only for long K and 512 pairs an expert
+    assert [moe_tc_rows(p, 16, 128, long) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 128]
+    assert [moe_tc_rows(p, 16, 256, short) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 128]
+    assert [moe_tc_rows(p, 16, 256, long) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 256]
+    assert [moe_tc_rows(p, 16, 256, long) for p in (8176, 8177, 8192)] == [128, 256, 256]
+    assert moe_tc_rows(8192, 16, 256, 4095) == 128
+    assert [moe_tc_rows(p, 256, 128, long) for p in (400, 4096, 4097, 16384, 16385)] == [16, 16, 32, 64, 128]
     # the mma.sync GEMM's tiles stop at 64 rows
-    assert [moe_tc_rows(p, 16, 64) for p in pairs] == [32, 32, 64, 64, 64, 64, 64, 64]
-    assert [moe_tc_rows(p, 16, 16) for p in pairs] == [16] * len(pairs)
+    assert [moe_tc_rows(p, 16, 64, long) for p in pairs] == [32, 32, 64, 64, 64, 64, 64, 64]
+    assert [moe_tc_rows(p, 16, 16, long) for p in pairs] == [16] * len(pairs)
     with pytest.raises(ValueError, match="smallest tile"):
-        moe_tc_rows(512, 16, 0)
+        moe_tc_rows(512, 16, 0, long)
 
 
 def test_awq_experts_off_cuda_takes_no_grouped_launch():

@@ -377,10 +377,10 @@ def _awq_gemm_fake(x, qweight, qzeros, scales, group_size, tiles=None):
 #: to per-expert tensor-core GEMMs only once experts get many rows each (prefill).
 GROUPED_MAX_PAIRS = 384
 #: On CUDA, :class:`AwqExperts` runs each quantized projection as one launch of the grouped form
-#: on tensor cores (a segment of up to 16 / 32 / 64 / 128 rows of one expert a block; see
+#: on tensor cores (a segment of up to 16 / 32 / 64 / 128 / 256 rows of one expert a block; see
 #: :func:`moe_tc_rows`) once a call has more than :data:`GROUPED_TC_MIN_SHARE` pairs per expert:
 #: nothing read back at any size, so prefill captures into CUDA graphs too. On an sm_90 GPU it is
-#: the wgmma GEMM (up to 128 rows) for the shapes that take it, elsewhere (sm_80 and later, or
+#: the wgmma GEMM (up to 256 rows) for the shapes that take it, elsewhere (sm_80 and later, or
 #: other shapes) the mma.sync GEMM (up to 64 rows; :func:`grouped_tc_max_rows`). On an H200
 #: (``benches/results-h200-runtime-moe.json``, 64 experts of 1408, hidden 2048, top-6, in a CUDA
 #: graph) the wgmma form ties the SIMT GEMV at 96 pairs (170 against 163 µs), wins from 192 (198
@@ -395,6 +395,18 @@ GROUPED_MAX_PAIRS = 384
 GROUPED_TC = True
 #: Pairs per expert (on average) past which the tensor-core form takes over from the SIMT GEMV.
 GROUPED_TC_MIN_SHARE = 2
+#: The tensor-core form's widest segments, 256 rows (the wgmma GEMM's m64n256 tile, one block an
+#: SM), need at least this many pairs per expert on average and experts whose two projections
+#: average at least :data:`GROUPED_TC_WIDE_MIN_K` in features; else 128 rows at most. Its K is
+#: not split, so a lone block an SM pays off only for long K and full tiles. On an H200, 256
+#: against 128 rows (crates/forge-cuda/README.md, "A 256-token tile"): Mixtral-like experts
+#: (8 x 4096 x 14336, top-2) at 256 / 1024 / 4096 pairs an expert 0.97 / 1.08 / 1.15x;
+#: DeepSeek-V3 dims (256 x 7168 x 2048, top-8) at 128 / 256 / 512 0.90 / 1.02 / 1.07x; 64 x
+#: 2048 x 1408 at 192 / 768 / 1536 1.01 / 0.97 / 1.02x; Qwen3-MoE-like (128 x 2048 x 768) at
+#: 256 / 1024 0.91 / 0.98x. These thresholds take every gain of 5 % or more and no loss there.
+GROUPED_TC_WIDE_MIN_SHARE = 512
+#: See :data:`GROUPED_TC_WIDE_MIN_SHARE`.
+GROUPED_TC_WIDE_MIN_K = 4096
 #: The tensor-core form's rows per segment (its token tiles: ``forge_cuda::ops::GROUPED_TC_ROWS``).
 GROUPED_TC_ROWS = tuple(_native.GROUPED_TC_ROWS)
 # (device, N, K, G) -> the most rows per segment of the tensor-core form there (0: none)
@@ -411,24 +423,28 @@ def moe_rows(tokens: int, pairs: int, num_experts: int) -> int:
     return 2 if pairs <= 2 * num_experts else 4
 
 
-def moe_tc_rows(pairs: int, num_experts: int, max_rows: int) -> int:
+def moe_tc_rows(pairs: int, num_experts: int, max_rows: int, mean_in_features: int) -> int:
     """Rows per segment of the grouped tensor-core form for ``pairs`` pairs over
     ``num_experts`` experts, at most ``max_rows`` (:func:`grouped_tc_max_rows`): the smallest
     token tile that holds an expert's average share, so that most experts are one block row and
-    the MMAs are no wider than they need."""
+    the MMAs are no wider than they need. 256 rows only with :data:`GROUPED_TC_WIDE_MIN_SHARE`
+    pairs an expert or more and ``mean_in_features`` (of the layer's two projections) at least
+    :data:`GROUPED_TC_WIDE_MIN_K`."""
+    share = -(-pairs // max(num_experts, 1))
+    if share < GROUPED_TC_WIDE_MIN_SHARE or mean_in_features < GROUPED_TC_WIDE_MIN_K:
+        max_rows = min(max_rows, 128)
     tiles = [r for r in GROUPED_TC_ROWS if r <= max_rows]
     if not tiles:
         raise ValueError(
             f"max_rows {max_rows}: the smallest tile of the tensor-core form is {GROUPED_TC_ROWS[0]}"
         )
-    share = -(-pairs // max(num_experts, 1))
     return next((r for r in tiles if r >= share), tiles[-1])
 
 
 @torch.compiler.assume_constant_result
 def grouped_tc_max_rows(dev: torch.device, in_features: int, out_features: int, group_size: int) -> int:
     """The most rows per segment with which the grouped form runs on tensor cores for these
-    experts on CUDA device ``dev``: 128 on an sm_90 GPU where the wgmma GEMM takes the shape
+    experts on CUDA device ``dev``: 256 on an sm_90 GPU where the wgmma GEMM takes the shape
     (out features a multiple of 128, in features and group of 64), 64 where the mma.sync GEMM
     does (sm_80 and later, out features and group multiples of 32), else 0. A constant of the
     device and shape: ``torch.compile`` calls it once while tracing."""
@@ -1037,7 +1053,7 @@ class AwqExperts(nn.Module):
         if GROUPED_TC and pairs > GROUPED_TC_MIN_SHARE * e:
             dev = hidden_states.device
             max_rows = min(grouped_tc_max_rows(dev, h, 2 * i, g), grouped_tc_max_rows(dev, i, h, g))
-            rows = moe_tc_rows(pairs, e, max_rows) if max_rows else 0
+            rows = moe_tc_rows(pairs, e, max_rows, (h + i) // 2) if max_rows else 0
             # (past ~8M pairs the segment table outgrows the launch's grid: the loop)
             if rows and moe_max_segments(pairs, e, rows) <= _native.GROUPED_MAX_SEGMENTS:
                 return rows

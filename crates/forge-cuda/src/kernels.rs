@@ -105,6 +105,8 @@ impl Module {
                 "w4a16_wg_bf16_t32",
                 "w4a16_wg_f16_t16",
                 "w4a16_wg_bf16_t16",
+                "w4a16_wgg_f16_t256",
+                "w4a16_wgg_bf16_t256",
                 "w4a16_wgg_f16_t128",
                 "w4a16_wgg_bf16_t128",
                 "w4a16_wgg_f16_t64",

@@ -1791,8 +1791,9 @@ pub const GROUPED_ROWS: [usize; 3] = [1, 2, 4];
 /// Rows per segment of the grouped form on tensor cores, a segment a block: on an sm_90 GPU
 /// the wgmma kernel's token tiles (`w4a16_wgg_<dt>_t<rows>`, for the shapes it takes), else
 /// the mma.sync kernel's (`w4a16_awqg_<dt>_m<rows / 16>`, at most [`GROUPED_MMA_MAX_ROWS`]);
-/// see [`grouped_tc_max_rows`].
-pub const GROUPED_TC_ROWS: [usize; 4] = [16, 32, 64, 128];
+/// see [`grouped_tc_max_rows`]. 256 rows (the wgmma kernel's widest tile, one block an SM) pay
+/// only for long K and many rows an expert; `forge.runtime` takes them by that rule.
+pub const GROUPED_TC_ROWS: [usize; 5] = [16, 32, 64, 128, 256];
 /// Most rows per segment of the grouped form's mma.sync kernel (its m16 tiles a block, 1 to 4).
 pub const GROUPED_MMA_MAX_ROWS: usize = 64;
 
@@ -1833,7 +1834,7 @@ fn grouped_mma_shape_ok(n: usize, g: usize) -> bool {
 
 /// Most rows per segment (one of [`GROUPED_TC_ROWS`]) with which device `device_ordinal` runs
 /// the grouped form on tensor cores for experts of `k` in features, `n` out features and group
-/// size `group_size`: 128 where the wgmma kernel runs (sm_90), [`GROUPED_MMA_MAX_ROWS`] where the
+/// size `group_size`: 256 where the wgmma kernel runs (sm_90), [`GROUPED_MMA_MAX_ROWS`] where the
 /// mma.sync kernel does (sm_80 and later, `n` a multiple of 32, the group of 32), 0 where
 /// neither does.
 pub fn grouped_tc_max_rows(
@@ -1888,7 +1889,7 @@ pub struct GroupedGemv {
     pub segments: u64,
     /// Rows of the segment table (the launch's grid y; an upper bound on real segments).
     pub num_segments: usize,
-    /// Most rows per segment: 1, 2 or 4 (the SIMT GEMV's variants), or 16, 32, 64 or 128
+    /// Most rows per segment: 1, 2 or 4 (the SIMT GEMV's variants), or 16, 32, 64, 128 or 256
     /// ([`GROUPED_TC_ROWS`]: the form on tensor cores, up to [`grouped_tc_max_rows`] for the
     /// device and shape; K is not split, no workspace).
     pub rows: usize,
@@ -1998,7 +1999,11 @@ fn check_grouped_rows(rows: usize) -> Result<bool> {
     if GROUPED_ROWS.contains(&rows) {
         return Ok(false);
     }
-    Err(CudaError::arg("rows", "1, 2, 4, 16, 32, 64 or 128", rows))
+    Err(CudaError::arg(
+        "rows",
+        "1, 2, 4, 16, 32, 64, 128 or 256",
+        rows,
+    ))
 }
 
 /// The kernel of a grouped launch.
@@ -2175,7 +2180,14 @@ pub unsafe fn w4a16_grouped_gemv_awq(a: &GroupedGemv, s: Stream) -> Result<()> {
         let (mut out, mut g) = (a.y, a.group_size as i32);
         let mut p = args!(px, pxr, por, pseg, pqw, pqz, psc, ew, ez, es, ee, out, nn, kk, g);
         let (block, smem) = match plan.form {
-            GroupedForm::Wgmma => ((WG_THREADS as u32, 1, 1), W4A16_WG_SMEM),
+            GroupedForm::Wgmma => (
+                (WG_THREADS as u32, 1, 1),
+                if a.rows == 256 {
+                    W4A16_WG256_SMEM
+                } else {
+                    W4A16_WG_SMEM
+                },
+            ),
             _ => ((GEMM_THREADS as u32, 1, 1), 0),
         };
         // SAFETY: parameter list matches w4a16_wgg_<dt>_t<rows> and w4a16_awqg_<dt>_m<mt>;
@@ -2962,7 +2974,7 @@ mod tests {
             assert_eq!(grouped_tc_form((9, 0), n, k, g), None, "({n}, {k}, {g})");
             assert_eq!(grouped_tc_form((8, 0), n, k, g), None, "({n}, {k}, {g})");
         }
-        assert_eq!(tc_max_rows(Some(Wgmma)), 128);
+        assert_eq!(tc_max_rows(Some(Wgmma)), 256);
         assert_eq!(tc_max_rows(Some(Mma)), GROUPED_MMA_MAX_ROWS);
         assert_eq!(tc_max_rows(None), 0);
     }

@@ -986,12 +986,13 @@ fn w4a16_grouped_tc_matches_cpu() {
         refused(16, k, n, g); // before sm_80: no tensor-core form
         return;
     }
-    let wgmma = max == 128;
+    let wgmma = max == 256;
     // A shape the wgmma kernel does not take (N % 128 != 0, G = 32) runs up to 64 rows.
     assert_eq!(ops::grouped_tc_max_rows(0, 96, k, 32).unwrap(), 64);
-    assert_eq!(max, if wgmma { 128 } else { 64 });
+    assert_eq!(max, if wgmma { 256 } else { 64 });
     if !wgmma {
         refused(128, k, n, g);
+        refused(256, k, n, g);
     }
     let mut seed = 901;
     for act in [DType::F16, DType::Bf16] {
@@ -1004,6 +1005,8 @@ fn w4a16_grouped_tc_matches_cpu() {
             (32, 40, 6, 8, 256, 384, 64),
             (64, 100, 4, 4, 1024, 128, 128),
             (128, 200, 2, 4, 576, 256, 192),
+            (256, 300, 2, 2, 1024, 256, 128),
+            (256, 520, 4, 4, 512, 384, 64),
             (16, 3, 6, 16, 512, 256, 128),
             (64, 32, 6, 16, 2048, 2816, 128),
             (32, 32, 6, 16, 1408, 2048, 128),

@@ -579,7 +579,7 @@ pub fn tile_shape_ok(n: usize, k: usize, group_size: usize) -> bool {
 
 /// Most rows per segment with which CUDA device `device` runs the grouped MoE product on
 /// tensor cores for experts of `k` in features, `n` out features and group size `group_size`:
-/// 128 (the wgmma kernel, sm_90), 64 (the mma.sync kernel, sm_80 and later) or 0 (see
+/// 256 (the wgmma kernel, sm_90), 64 (the mma.sync kernel, sm_80 and later) or 0 (see
 /// `forge_cuda::ops::grouped_tc_max_rows`).
 #[pyfunction]
 pub fn grouped_tc_max_rows(
