@@ -220,7 +220,8 @@ def run_moe_micro(args) -> None:
     }
     dev = torch.device("cuda")
     tc_rows = min(runtime.grouped_tc_max_rows(dev, h, 2 * i, g), runtime.grouped_tc_max_rows(dev, i, h, g))
-    tc_kernel = {256: "wgmma", 64: "mma.sync"}.get(tc_rows)
+    # the mma.sync GEMM's tiles stop at 64 rows, the wgmma GEMM's go past it
+    tc_kernel = None if tc_rows == 0 else "mma.sync" if tc_rows <= 64 else "wgmma"
     default = {name: getattr(runtime, name) for d in settings.values() for name in d}
     for tokens in (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 16384):
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)

@@ -660,6 +660,8 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
                                     GroupedRoute{x_rows, out_rows, segments, ew, ez, es, experts});             \
     }
 #define FORGE_GEMM_WG_TILES(ENTRY) \
+    ENTRY(f16, false, 256)         \
+    ENTRY(bf16, true, 256)         \
     ENTRY(f16, false, 128)         \
     ENTRY(bf16, true, 128)         \
     ENTRY(f16, false, 64)          \
@@ -668,18 +670,14 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     ENTRY(bf16, true, 32)          \
     ENTRY(f16, false, 16)          \
     ENTRY(bf16, true, 16)
+// The 256-token tile (m64n256 MMAs, 128 accumulators a thread: one block an SM): ops.rs takes
+// it past M = 128 where its cost model prices it below the 128-token tile, as it dequantizes
+// each weight stage once for twice the MMAs (README, "A 256-token tile"); the grouped form takes
+// 256-row segments only for long K and many rows an expert (forge.runtime), since its K is not
+// split and a lone block an SM has no second block to hide its prologue and epilogue behind.
 FORGE_GEMM_WG_TILES(FORGE_GEMM_WG_ENTRY)
 FORGE_GEMM_WG_TILES(FORGE_GEMM_WGG_ENTRY)
 #undef FORGE_GEMM_WG_TILES
-// The 256-token tile (m64n256 MMAs, 128 accumulators a thread: one block an SM). ops.rs takes
-// it past M = 128 where its cost model prices it below the 128-token tile: it dequantizes each
-// weight stage once for twice the MMAs (README, "A 256-token tile"). The grouped form takes
-// 256-row segments only for long K and many rows an expert (forge.runtime): its K is not split,
-// so a lone block an SM has no second block to hide its prologue and epilogue behind.
-FORGE_GEMM_WG_ENTRY(f16, false, 256)
-FORGE_GEMM_WG_ENTRY(bf16, true, 256)
-FORGE_GEMM_WGG_ENTRY(f16, false, 256)
-FORGE_GEMM_WGG_ENTRY(bf16, true, 256)
 
 // Sum of split-K partials ws[splits, MN] in split order, converted to the output dtype; four
 // outputs a thread (16-byte loads) when `vec` (MN % 4 == 0; ops.rs sets it for large MN, where

@@ -1,7 +1,7 @@
 """forge.runtime on CUDA (marker ``cuda``; skipped without a usable GPU): AwqLinear against
 dequantize-then-matmul, CUDA-graph capture, torch.compile(mode="reduce-overhead") and
 stream ordering; AwqExperts' grouped GEMV path (decode: few (token, expert) pairs) likewise,
-and its tensor-core form (prefill: segments of 16 to 128 rows of one expert; the wgmma GEMM on
+and its tensor-core form (prefill: segments of 16 to 256 rows of one expert; the wgmma GEMM on
 sm_90 for the shapes it takes, the mma.sync GEMM up to 64 rows on other shapes and GPUs).
 
 Tolerances:

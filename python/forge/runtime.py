@@ -432,7 +432,7 @@ def moe_tc_rows(pairs: int, num_experts: int, max_rows: int, mean_in_features: i
     :data:`GROUPED_TC_WIDE_MIN_K`."""
     share = -(-pairs // max(num_experts, 1))
     if share < GROUPED_TC_WIDE_MIN_SHARE or mean_in_features < GROUPED_TC_WIDE_MIN_K:
-        max_rows = min(max_rows, 128)
+        max_rows = min(max_rows, GROUPED_TC_ROWS[-2])  # all but the widest tile
     tiles = [r for r in GROUPED_TC_ROWS if r <= max_rows]
     if not tiles:
         raise ValueError(

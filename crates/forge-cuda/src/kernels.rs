@@ -169,10 +169,12 @@ pub fn dynamic_smem_limit(name: &str) -> Option<usize> {
         Some(crate::ops::HESSIAN_TC_SMEM as usize)
     } else if name.starts_with("hessian_wg") {
         Some(crate::ops::HESSIAN_WG_SMEM as usize)
-    } else if name.starts_with("w4a16_wg") && name.ends_with("_t256") {
-        Some(crate::ops::W4A16_WG256_SMEM as usize)
     } else if name.starts_with("w4a16_wg") {
-        Some(crate::ops::W4A16_WG_SMEM_ALONE as usize)
+        // The most a launch asks: its tile's, or half an SM's when its grid fits the SMs.
+        let tokens = name
+            .rsplit_once("_t")
+            .map_or(0, |(_, t)| t.parse().unwrap_or(0));
+        Some(crate::ops::wg_tile_smem(tokens).max(crate::ops::W4A16_WG_SMEM_ALONE) as usize)
     } else if name == "awq_quant_pack_f32" {
         // 64 KB of row tiles (the other dtypes' 16 / 32 KB are under the default 48 KB).
         Some(crate::ops::pack_smem(crate::ops::DType::F32) as usize)

@@ -812,32 +812,50 @@ pub(crate) const W4A16_WG_SMEM_ALONE: u32 = SM90_SMEM_PER_SM / 2;
 /// tile reuses the first 132 KB. One block an SM (its 128 accumulators a thread allow no more).
 pub(crate) const W4A16_WG256_SMEM: u32 = 1024 + 4 * (256 * 64 * 2 + 64 * 20 * 4 + 80 * 4);
 
-/// The wgmma kernel's dynamic shared memory for a grid of `blocks` on `sms` SMs: alone on its
-/// SM when the grid fits them at one block each, else two blocks an SM.
-fn wg_smem(blocks: usize, sms: usize, tokens: usize) -> u32 {
-    if tokens == 256 {
+/// Dynamic shared memory of the wgmma kernels' `tokens` tile (`w4a16_wg_<dt>_t<tokens>`,
+/// `w4a16_wgg_<dt>_t<tokens>`), which sets the blocks an SM holds ([`wg_blocks_per_sm`]).
+pub(crate) fn wg_tile_smem(tokens: usize) -> u32 {
+    if tokens > WG_BN {
         W4A16_WG256_SMEM
-    } else if blocks <= sms {
-        W4A16_WG_SMEM_ALONE
     } else {
         W4A16_WG_SMEM
     }
 }
 
-/// µs a stage of a wgmma GEMM grid of `blocks` of `tokens` on `sms` SMs, measured on an H100
+/// Blocks of the wgmma kernels' `tokens` tile an sm_90 SM holds at most, by their shared
+/// memory: two up to 128 tokens, one for 256.
+fn wg_blocks_per_sm(tokens: usize) -> usize {
+    (SM90_SMEM_PER_SM / (wg_tile_smem(tokens) + 1024)) as usize
+}
+
+/// The wgmma kernel's dynamic shared memory for a grid of `blocks` of `tokens` on `sms` SMs: at
+/// least half an SM's when the grid fits them at one block each (alone on its SM), else its
+/// tile's ([`wg_tile_smem`]).
+fn wg_smem(blocks: usize, sms: usize, tokens: usize) -> u32 {
+    let tile = wg_tile_smem(tokens);
+    if blocks <= sms {
+        tile.max(W4A16_WG_SMEM_ALONE)
+    } else {
+        tile
+    }
+}
+
+/// µs a stage of a wgmma GEMM grid of `blocks` on `sms` SMs, `per_sm` of them at most on an SM
+/// ([`wg_blocks_per_sm`]), measured on an H100
 /// (`FORGE_GEMM_WG_SPLITS`, 2026-11-26): a block alone on its SM takes ≈ 0.58 µs a stage; two
 /// blocks sharing an SM (88 KB each) ≈ 0.96 µs a stage for both. A grid of more blocks than SMs
 /// pays whole waves of two blocks an SM, its last wave at the alone rate when that wave holds no
 /// more blocks than SMs (7168×18432 at M = 192, 288 blocks: 2 · 0.96 predicted against 1.57 µs
-/// measured a stage; the per-SM count it replaced said 1.44). 256-token blocks, one an SM, pay
-/// whole waves at the alone rate (their stage cost, [`WG_TILES`], applied by the caller).
-fn wg_stage_us(blocks: usize, sms: usize, tokens: usize) -> f64 {
+/// measured a stage; the per-SM count it replaced said 1.44). Blocks one an SM (the 256-token
+/// tile) pay whole waves at the alone rate (their stage cost, [`WG_TILES`], applied by the
+/// caller).
+fn wg_stage_us(blocks: usize, sms: usize, per_sm: usize) -> f64 {
     let sms = sms.max(1);
     if blocks <= sms {
         return 0.58;
     }
-    if tokens == 256 {
-        return 0.58 * blocks.div_ceil(sms) as f64; // one block an SM: whole waves
+    if per_sm < 2 {
+        return 0.58 * blocks.div_ceil(sms) as f64;
     }
     let slots = 2 * sms;
     let (full, rem) = (blocks / slots, blocks % slots);
@@ -892,7 +910,8 @@ fn wg_splits(
     clustered: &dyn Fn(usize) -> bool,
 ) -> (usize, f64) {
     let cost = |s: usize| {
-        let mut us = stages.div_ceil(s) as f64 * wg_stage_us(base * s, sms, tokens) * stage_cost;
+        let per_sm = wg_blocks_per_sm(tokens);
+        let mut us = stages.div_ceil(s) as f64 * wg_stage_us(base * s, sms, per_sm) * stage_cost;
         if s > 1 {
             let passes = if clustered(s) { 2 * s } else { 2 * s + 1 };
             us += (passes * outputs * 4) as f64 / 3.0e6 + 2.0;
@@ -902,10 +921,8 @@ fn wg_splits(
     // Each count's cost once (`clustered` may ask the driver); ties to the fewer splits.
     (1..=WG_MAX_SPLITS.min(stages.max(1)))
         .map(|s| (s, cost(s)))
-        .fold(
-            (1, f64::INFINITY),
-            |best, c| if c.1 < best.1 { c } else { best },
-        )
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap_or((1, f64::INFINITY))
 }
 
 /// Whether the wgmma kernel takes this shape (N a multiple of its 128 outputs a block, K and
@@ -965,13 +982,8 @@ fn gemm_plan(
                 );
                 (tokens, splits, us)
             })
-            .fold((WG_BN, 1, f64::INFINITY), |best, c| {
-                if c.2 < best.2 {
-                    c
-                } else {
-                    best
-                }
-            });
+            .min_by(|a, b| a.2.total_cmp(&b.2))
+            .unwrap_or((WG_BN, 1, f64::INFINITY));
         let mblocks = m.div_ceil(tokens);
         // One split has nothing to sum.
         let clustered = |s: usize| s > 1 && (wg.clustered)((tokens, nblocks, mblocks, s));
@@ -1070,9 +1082,14 @@ fn gemm_kernel_name(act: DType, plan: &GemmPlan) -> Result<&'static str> {
         GemmKernel::Gemv => format!("w4a16_gemv_{suffix}"),
         GemmKernel::Gemv3 { rows } => format!("w4a16_gemv3_{suffix}_r{rows}"),
         GemmKernel::Tiled { mt } => format!("w4a16_awq_{suffix}_m{mt}"),
-        GemmKernel::Wgmma { tokens } => format!("w4a16_wg_{suffix}_t{tokens}"),
+        GemmKernel::Wgmma { tokens } => return wg_kernel_name(act, tokens),
     };
     kernel_named(name)
+}
+
+/// The plain wgmma kernel of `tokens` for `act` activations.
+fn wg_kernel_name(act: DType, tokens: usize) -> Result<&'static str> {
+    kernel_named(format!("w4a16_wg_{}_t{tokens}", act.suffix()))
 }
 
 /// The kernel entry point called `name`.
@@ -1177,8 +1194,8 @@ fn plan_uncached(
     // Only consulted when the probe chose the wgmma kernel: asks the driver about the candidate
     // tile's own kernel (a missing or unloadable one is never clustered).
     let clustered = |(tokens, nblocks, mblocks, splits)| {
-        let name = kernel_named(format!("w4a16_wg_{}_t{tokens}", act.suffix()));
-        name.and_then(|name| dev.function(name))
+        wg_kernel_name(act, tokens)
+            .and_then(|name| dev.function(name))
             .is_ok_and(|f| wg_clustered(dev, f, (nblocks, mblocks, splits), tokens))
     };
     let plan = gemm_plan(
@@ -2180,14 +2197,7 @@ pub unsafe fn w4a16_grouped_gemv_awq(a: &GroupedGemv, s: Stream) -> Result<()> {
         let (mut out, mut g) = (a.y, a.group_size as i32);
         let mut p = args!(px, pxr, por, pseg, pqw, pqz, psc, ew, ez, es, ee, out, nn, kk, g);
         let (block, smem) = match plan.form {
-            GroupedForm::Wgmma => (
-                (WG_THREADS as u32, 1, 1),
-                if a.rows == 256 {
-                    W4A16_WG256_SMEM
-                } else {
-                    W4A16_WG_SMEM
-                },
-            ),
+            GroupedForm::Wgmma => ((WG_THREADS as u32, 1, 1), wg_tile_smem(a.rows)),
             _ => ((GEMM_THREADS as u32, 1, 1), 0),
         };
         // SAFETY: parameter list matches w4a16_wgg_<dt>_t<rows> and w4a16_awqg_<dt>_m<mt>;
@@ -3093,26 +3103,20 @@ mod tests {
         assert!(wg.validate().is_ok());
         let t128 = GroupedGemv { rows: 128, ..a };
         assert!(t128.validate().is_ok());
-        let (k, n, g) = (288, 448, 96);
-        let mma = GroupedGemv {
+        // `base` with experts of (k, n, g), densely stacked.
+        let reshaped = |base: GroupedGemv, (k, n, g): (usize, usize, usize)| GroupedGemv {
             k,
             n,
             group_size: g,
             expert_strides: GroupedGemv::dense_strides(k, n, g),
-            ..wg
+            ..base
         };
+        let mma = reshaped(wg, (288, 448, 96));
         assert!(mma.validate().is_ok());
         assert_eq!(bad(GroupedGemv { rows: 128, ..mma }), "(n, k, group_size)");
         assert_eq!(bad(GroupedGemv { n: 448, ..t128 }), "(n, k, group_size)");
         assert_eq!(bad(GroupedGemv { n: 40, ..wg }), "n");
-        let (k, n, g) = (576, 384, 192);
-        let wg192 = GroupedGemv {
-            k,
-            n,
-            group_size: g,
-            expert_strides: GroupedGemv::dense_strides(k, n, g),
-            ..wg
-        };
+        let wg192 = reshaped(wg, (576, 384, 192));
         assert!(wg192.validate().is_ok());
         assert!(GroupedGemv { rows: 128, ..wg192 }.validate().is_ok());
         assert_eq!(bad(GroupedGemv { k: 288, ..wg }), "k");
@@ -3553,10 +3557,10 @@ mod tests {
     #[test]
     fn wg_splits_count_waves_and_cluster_sums() {
         // One wave alone, two blocks an SM, whole waves with a last wave alone.
-        assert_eq!(wg_stage_us(112, 132, 128), 0.58);
-        assert_eq!(wg_stage_us(264, 132, 128), 0.96);
-        assert!((wg_stage_us(288, 132, 128) - (0.96 + 0.58)).abs() < 1e-12);
-        assert!((wg_stage_us(576, 132, 128) - (2.0 * 0.96 + 0.58)).abs() < 1e-12);
+        assert_eq!(wg_stage_us(112, 132, 2), 0.58);
+        assert_eq!(wg_stage_us(264, 132, 2), 0.96);
+        assert!((wg_stage_us(288, 132, 2) - (0.96 + 0.58)).abs() < 1e-12);
+        assert!((wg_stage_us(576, 132, 2) - (2.0 * 0.96 + 0.58)).abs() < 1e-12);
         // H100, every split count forced (README, "The split count against every forced
         // split"): 7168×18432 at M = 256 (144 × 2 tiles, 112 stages) ran 180 µs unsplit and 158
         // at 2 splits in clusters (clusters of up to 4 pay there); through the workspace 2
