@@ -18,7 +18,7 @@ MoE layer (CUDA, ``--moe-micro``): one AwqExperts layer of the bench's DeepSeek-
 (``--moe-shape``, default 64 experts, hidden 2048, expert 1408, top-6; G = 128, bf16) at T tokens, through the grouped
 GEMV (``grouped``: eager and inside a CUDA graph; up to 4096 pairs), through its tensor-core
 form (``grouped_tc``, ``GROUPED_TC_MIN_SHARE = 0``: the same two launches, segments of 16-256
-rows (256 only for long K and 512 pairs an expert: ``GROUPED_TC_WIDE_MIN_SHARE``); ``tc_kernel`` says which GEMM: ``wgmma`` on sm_90, ``mma.sync`` elsewhere or with
+rows (256 only for enough pairs an expert and long enough K: ``GROUPED_TC_WIDE``); ``tc_kernel`` says which GEMM: ``wgmma`` on sm_90, ``mma.sync`` elsewhere or with
 ``FORGE_GEMM_WG=0`` in the environment, which times the other GPUs' kernels on an H100 / H200),
 through the per-expert loop (``loop``, ``GROUPED_MAX_PAIRS = 0``, ``GROUPED_TC = False``; eager
 only, it reads the counts back) and, as the peers, the same layer in bf16 (the dequantized

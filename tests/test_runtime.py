@@ -308,14 +308,19 @@ def test_moe_tc_rows_is_the_smallest_tile_holding_an_experts_share():
     from forge.runtime import GROUPED_TC_ROWS, moe_tc_rows
 
     assert GROUPED_TC_ROWS == (16, 32, 64, 128, 256)
-    short, long = 1728, 4608  # mean in features: 64 x 2048 x 1408 experts; DeepSeek-V3's
+    short, long = 1408, 2816  # mean in features: Qwen3-30B-A3B's experts; Qwen3-235B-A22B's
     pairs = (385, 512, 513, 1024, 1025, 2048, 2049, 10**6)
-    # the wgmma GEMM's tiles up to 128 rows, and 256 only for long K and 512 pairs an expert
+    # the wgmma GEMM's tiles up to 128 rows, and 256 only for enough pairs an expert and long K
     assert [moe_tc_rows(p, 16, 128, long) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 128]
     assert [moe_tc_rows(p, 16, 256, short) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 128]
     assert [moe_tc_rows(p, 16, 256, long) for p in pairs] == [32, 32, 64, 64, 128, 128, 128, 256]
     assert [moe_tc_rows(p, 16, 256, long) for p in (8176, 8177, 8192)] == [128, 256, 256]
-    assert moe_tc_rows(8192, 16, 256, 4095) == 128
+    # GROUPED_TC_WIDE's pairs: 512 pairs an expert from K = 2560, 1024 from 2048, 2048 from 1536
+    for share, k in ((512, 2560), (1024, 2048), (2048, 1536)):
+        assert moe_tc_rows(16 * share, 16, 256, k) == 256
+        assert moe_tc_rows(16 * share, 16, 256, k - 1) == 128
+        assert moe_tc_rows(16 * share - 16, 16, 256, k) == 128  # one pair an expert fewer
+    assert moe_tc_rows(16 * 10**5, 16, 256, 1535) == 128
     assert [moe_tc_rows(p, 256, 128, long) for p in (400, 4096, 4097, 16384, 16385)] == [16, 16, 32, 64, 128]
     # the mma.sync GEMM's tiles stop at 64 rows
     assert [moe_tc_rows(p, 16, 64, long) for p in pairs] == [32, 32, 64, 64, 64, 64, 64, 64]

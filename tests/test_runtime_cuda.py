@@ -516,18 +516,17 @@ def test_awq_experts_prefill_takes_the_tensor_core_form(
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_awq_experts_prefill_takes_256_row_segments(dtype, monkeypatch):
-    """Where the wide segments' thresholds hold (lowered here to this small layer: 600 x 8
+    """Where a pair of ``GROUPED_TC_WIDE`` holds (one lowered here to this small layer: 600 x 8
     pairs, 300 an expert), both projections run 256-row segments on the wgmma GEMM, runs of an
-    expert longer than one segment included, with the reference's result; the default
-    thresholds keep this layer at 128 rows."""
+    expert longer than one segment included, with the reference's result; the default pairs
+    keep this layer at 128 rows."""
     needs_grouped_tc(256, (HIDDEN, 2 * INTER, GROUP), (INTER, HIDDEN, GROUP))
     mod = random_experts(dtype)
     calls = uses_grouped(mod, monkeypatch)
     idx, w = routing(600, 8, seed=600)
     x = torch.randn(600, HIDDEN, device="cuda").to(dtype)
     assert mod._grouped_rows(x, idx.numel()) == 128
-    monkeypatch.setattr("forge.runtime.GROUPED_TC_WIDE_MIN_SHARE", 256)
-    monkeypatch.setattr("forge.runtime.GROUPED_TC_WIDE_MIN_K", (HIDDEN + INTER) // 2)
+    monkeypatch.setattr("forge.runtime.GROUPED_TC_WIDE", ((256, (HIDDEN + INTER) // 2),))
     y = mod(x, idx, w)
     assert calls == [256, 256]
     ref = ref_moe(mod, x, idx, w)

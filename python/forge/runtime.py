@@ -395,18 +395,18 @@ GROUPED_MAX_PAIRS = 384
 GROUPED_TC = True
 #: Pairs per expert (on average) past which the tensor-core form takes over from the SIMT GEMV.
 GROUPED_TC_MIN_SHARE = 2
-#: The tensor-core form's widest segments, 256 rows (the wgmma GEMM's m64n256 tile, one block an
-#: SM), need at least this many pairs per expert on average and experts whose two projections
-#: average at least :data:`GROUPED_TC_WIDE_MIN_K` in features; else 128 rows at most. Its K is
-#: not split, so a lone block an SM pays off only for long K and full tiles. On an H200, 256
-#: against 128 rows (crates/forge-cuda/README.md, "A 256-token tile"): Mixtral-like experts
-#: (8 x 4096 x 14336, top-2) at 256 / 1024 / 4096 pairs an expert 0.97 / 1.08 / 1.15x;
-#: DeepSeek-V3 dims (256 x 7168 x 2048, top-8) at 128 / 256 / 512 0.90 / 1.02 / 1.07x; 64 x
-#: 2048 x 1408 at 192 / 768 / 1536 1.01 / 0.97 / 1.02x; Qwen3-MoE-like (128 x 2048 x 768) at
-#: 256 / 1024 0.91 / 0.98x. These thresholds take every gain of 5 % or more and no loss there.
-GROUPED_TC_WIDE_MIN_SHARE = 512
-#: See :data:`GROUPED_TC_WIDE_MIN_SHARE`.
-GROUPED_TC_WIDE_MIN_K = 4096
+#: When the tensor-core form takes its widest segments, 256 rows (the wgmma GEMM's m64n256 tile,
+#: one block an SM): pairs (pairs an expert on average, mean in features of the layer's two
+#: projections), of which the layer must reach both numbers of one; else 128 rows at most. Its
+#: K is not split, so a lone block an SM pays off only for enough rows and long enough K, and
+#: fewer rows need longer K. On an H200, 256 against 128 rows over 63 measured rows of 15 layer
+#: shapes, uniform and skewed routing (crates/forge-cuda/README.md, "A 256-token tile" and "The
+#: wide segments' rule on 15 layer shapes"): these pairs take every gain of 3 % or more and no
+#: loss. Past 512 pairs an
+#: expert DBRX-like experts (mean in features 8448) run 1.14-1.19x, Qwen3-235B-like ones (2816)
+#: 1.02-1.08x; ERNIE-4.5-21B-like ones (2048) 0.96 / 1.04 / 1.06x at 512 / 1024 / 2048;
+#: OLMoE-like ones (1536) 0.98 / 1.02 / 1.05x at 1024 / 2048 / 4096; at 256 every shape 0.84-1.02x.
+GROUPED_TC_WIDE = ((512, 2560), (1024, 2048), (2048, 1536))
 #: The tensor-core form's rows per segment (its token tiles: ``forge_cuda::ops::GROUPED_TC_ROWS``).
 GROUPED_TC_ROWS = tuple(_native.GROUPED_TC_ROWS)
 # (device, N, K, G) -> the most rows per segment of the tensor-core form there (0: none)
@@ -427,11 +427,11 @@ def moe_tc_rows(pairs: int, num_experts: int, max_rows: int, mean_in_features: i
     """Rows per segment of the grouped tensor-core form for ``pairs`` pairs over
     ``num_experts`` experts, at most ``max_rows`` (:func:`grouped_tc_max_rows`): the smallest
     token tile that holds an expert's average share, so that most experts are one block row and
-    the MMAs are no wider than they need. 256 rows only with :data:`GROUPED_TC_WIDE_MIN_SHARE`
-    pairs an expert or more and ``mean_in_features`` (of the layer's two projections) at least
-    :data:`GROUPED_TC_WIDE_MIN_K`."""
+    the MMAs are no wider than they need. 256 rows only where the share and
+    ``mean_in_features`` (of the layer's two projections) reach one pair of
+    :data:`GROUPED_TC_WIDE`."""
     share = -(-pairs // max(num_experts, 1))
-    if share < GROUPED_TC_WIDE_MIN_SHARE or mean_in_features < GROUPED_TC_WIDE_MIN_K:
+    if not any(share >= s and mean_in_features >= k for s, k in GROUPED_TC_WIDE):
         max_rows = min(max_rows, GROUPED_TC_ROWS[-2])  # all but the widest tile
     tiles = [r for r in GROUPED_TC_ROWS if r <= max_rows]
     if not tiles:
