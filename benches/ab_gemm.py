@@ -46,6 +46,7 @@ from bench_cuda import (  # noqa: E402
     bf16_maker,
     cold_and_chain_times,
     graph_time,
+    parse_shapes,
     tinygemm_maker,
     tinygemm_weights,
 )
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="measurements per time (the lowest is kept)")
     ap.add_argument(
         "--shapes",
+        type=parse_shapes,
         default=None,
         help="weight shapes KxN, comma-separated (default: the bench's DeepSeek shapes, "
         + ", ".join(f"{k}x{n}" for k, n in SHAPES)
@@ -127,7 +129,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
-    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    shapes = args.shapes or SHAPES
     torch.manual_seed(0)
     for k, n in shapes:
         time_shape(args.tag, k, n, ms, args.tiled, args.peers, args.reps, args.group)

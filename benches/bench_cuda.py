@@ -2,6 +2,7 @@
 
     python benches/bench_cuda.py [--json out.json] [--only gemm,dense,pack,grid,mse,gptq,prep,hessian]
                                  [--gpu-gib 79.1]  (an 80 GB card's memory on a larger one)
+                                 [--shapes 4096x4096,4096x14336]  (your model's K x N)
 
 Peers: bf16 ``X @ W.T`` (cuBLAS) and ``torch.ops.aten._weight_int4pack_mm`` (PyTorch's
 int4 "tinygemm") for the W4A16 GEMM, and bf16 cuBLAS also for the runtime's dense route at
@@ -10,7 +11,9 @@ quantize+pack; the GPTQ authors' blocked "fasterquant" loop (one matrix) and the
 vectorised over experts with ``torch.bmm`` (static groups) for the GPTQ solver; a
 vectorised plain-PyTorch MSE grid search; the previous chol + inverse + chol Hessian
 preparation; cuBLAS ``mm(out_dtype=float32)`` for the dense Hessian and a torch loop of
-gather + that ``mm`` over experts for the per-expert Hessians. DeepSeek-V3 shapes, group 128.
+gather + that ``mm`` over experts for the per-expert Hessians. DeepSeek-V3 shapes, group 128;
+``--shapes`` gives the weight shapes of the gemm, dense, pack and grid rows instead (the first
+two also the GPTQ rows').
 """
 
 from __future__ import annotations
@@ -29,6 +32,17 @@ from forge import runtime
 
 G = 128
 SHAPES = [(7168, 2048), (2048, 7168), (7168, 18432)]  # (K, N)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"KxN,KxN"`` -> [(K, N), ...]: weight shapes as in features x out features."""
+    try:
+        shapes = [tuple(int(d) for d in s.strip().lower().split("x")) for s in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) <= 0 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected KxN[,KxN...] with positive sizes, got {text!r}")
+    return shapes
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -779,14 +793,25 @@ def print_row(r):
 
 
 def main() -> None:
+    global SHAPES
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default="gemm,dense,pack,grid,mse,gptq,prep,hessian")
     ap.add_argument(
         "--batch", type=int, default=None, help="experts per batched GPTQ call (default: 64, or what fits)"
     )
+    ap.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=None,
+        help="weight shapes KxN, comma-separated (default: "
+        + ", ".join(f"{k}x{n}" for k, n in SHAPES)
+        + ", DeepSeek-V3's)",
+    )
     gpu_budget.add_argument(ap)
     args = ap.parse_args()
+    if args.shapes:
+        SHAPES = args.shapes
     st = forge.cuda_status()
     print(st)
     if not st["available"]:
