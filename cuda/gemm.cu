@@ -1270,6 +1270,40 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const u16* y, cons
     *(uint4*)(out + (i64)t * H + h) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+// The experts' activation: y[r, c] = silu(g) · u for g = x[r, c], u = x[r, I + c] (x [rows, 2I]:
+// a row's I gate columns, then its I up columns, as the gate_up projection writes them), each
+// step rounded as torch's two ops round it: silu(g) = g / (1 + exp(-g)) in fp32 rounded to the
+// type, then its product with u in fp32 rounded to the type. f16/bf16 (BF), I % 8 == 0, x and y
+// 16-byte aligned. 8 outputs a thread.
+extern "C" __global__ void __launch_bounds__(256) silu_mul(const u16* x, i64 rows, int I, int bf, u16* y) {
+    const int per = I >> 3;
+    const i64 v = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (v >= rows * per) return;
+    const i64 r = v / per;
+    const int c = 8 * (int)(v - r * per);
+    const uint4 gv = *(const uint4*)(x + r * 2 * I + c);
+    const uint4 uv = *(const uint4*)(x + r * 2 * I + I + c);
+    const u32 g2[4] = {gv.x, gv.y, gv.z, gv.w};
+    const u32 u2[4] = {uv.x, uv.y, uv.z, uv.w};
+    u32 o[4];
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        u32 word = 0;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u16 gb = (u16)(g2[w] >> (16 * h)), ub = (u16)(u2[w] >> (16 * h));
+            const float g = bf ? bf16_to_f32(gb) : f16_to_f32(gb);
+            const float u = bf ? bf16_to_f32(ub) : f16_to_f32(ub);
+            const float a = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+            const u16 ab = bf ? f32_to_bf16_rn(a) : f32_to_f16_rn(a);
+            const float p = __fmul_rn(bf ? bf16_to_f32(ab) : f16_to_f32(ab), u);
+            word |= (u32)(bf ? f32_to_bf16_rn(p) : f32_to_f16_rn(p)) << (16 * h);
+        }
+        o[w] = word;
+    }
+    *(uint4*)(y + r * I + c) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // ---------------------------------------------------------------------------------------
 // Tile layout: the AWQ codes repacked once (at load time) so that a GEMV streams each output
 // tile's weights as one contiguous run of 16-byte loads, already in mma.m16n8k16 A-fragment

@@ -304,6 +304,18 @@ def test_grouped_gemv_shape_rule(group):
             assert grouped_gemv_shape_ok(k, n, group) == want, (k, n, group)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_silu_of_the_first_half_times_the_second(dtype):
+    """forge.runtime.silu_mul on the CPU: torch's two ops on gate = the first half of the last
+    dimension, up = the second (gate_up's column order), any leading dimensions."""
+    from forge.runtime import silu_mul
+
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    want = torch.nn.functional.silu(x[..., :8]) * x[..., 8:]
+    assert torch.equal(silu_mul(x), want)
+    assert silu_mul(x.view(6, 16)).shape == (6, 8)
+
+
 def test_moe_tc_rows_is_the_smallest_tile_holding_an_experts_share():
     from forge.runtime import GROUPED_TC_ROWS, moe_tc_rows
 

@@ -366,6 +366,75 @@ def test_awq_experts_grouped_matches_reference(tokens, top_k, rows, dtype, monke
     assert mod._caches and not any("tiled" in c for c in mod._caches.values())
 
 
+def counts_silu_mul(monkeypatch) -> list[int]:
+    """Counts the silu_mul kernel's launches (rows of each)."""
+    calls = []
+    real = runtime._native.silu_mul_launch
+
+    def counting(x, bf16, rows, inter, out, device, stream):
+        calls.append(rows)
+        return real(x, bf16, rows, inter, out, device, stream)
+
+    monkeypatch.setattr(runtime._native, "silu_mul_launch", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2 * 2048), (6, 2 * 1408), (300, 16), (2, 3, 2 * 24)])
+def test_silu_mul_is_torch_silu_times_up(shape, dtype, monkeypatch):
+    """One launch whose result is torch's ``silu(gate) * up``: within 2 ulps everywhere, equal
+    on 99.9 % of the outputs or more (an fp32 silu on a rounding edge may round the other
+    way), the edges (signed zeros, exp(-g) overflowing fp32, the type's large values) too."""
+    calls = counts_silu_mul(monkeypatch)
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=gen) * 4).to(dtype)
+    big = 6e4 if dtype == torch.float16 else 1e30
+    x.view(-1)[:8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 120.0, -120.0, big, -big]).to(dtype)
+    x = x.cuda()
+    y = runtime.silu_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert calls == [x.numel() // shape[-1]]
+    assert y.shape == ref.shape and y.dtype == dtype
+    assert ((y == ref) | (y.isnan() & ref.isnan())).float().mean() >= 0.999
+    tiny = torch.finfo(dtype).smallest_normal * 2.0**-10 if dtype == torch.float16 else 0.0
+    torch.testing.assert_close(y, ref, rtol=2 * ULP[dtype], atol=tiny, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_silu_mul_falls_back_to_torch(dtype, monkeypatch):
+    """Shapes and layouts the kernel does not take run torch's two ops, with their result."""
+    calls = counts_silu_mul(monkeypatch)
+    x = torch.randn(5, 64, device="cuda").to(dtype)
+    for case in (x[:, :24], x.t().contiguous().t(), torch.randn(5, 24, device="cuda").to(dtype)):
+        gate, up = case.chunk(2, dim=-1)
+        assert torch.equal(runtime.silu_mul(case), torch.nn.functional.silu(gate) * up)
+    assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_awq_experts_take_silu_mul(grouped, dtype, monkeypatch):
+    """The experts' act(gate) * up is one silu_mul launch a forward (the grouped form) or an
+    expert (the loop), with the reference's result; a non-silu activation takes torch's ops."""
+    mod = random_experts(dtype)
+    calls = counts_silu_mul(monkeypatch)
+    if not grouped:
+        monkeypatch.setattr("forge.runtime.GROUPED_TC", False)
+        monkeypatch.setattr("forge.runtime.GROUPED_MAX_PAIRS", 0)
+    idx, w = routing(16, 6, seed=16)
+    x = torch.randn(16, HIDDEN, device="cuda").to(dtype)
+    y = mod(x, idx, w)
+    used = {int(e) for e in idx.flatten() if 0 <= e < EXPERTS}  # experts the loop runs
+    assert len(calls) == (1 if grouped else len(used))
+    assert rel_err(y, ref_moe(mod, x, idx, w)) < 2 * TOL[dtype]
+    gelu = AwqExperts(EXPERTS, HIDDEN, INTER, GROUP, "gelu", dtype=dtype).cuda()
+    gelu.load_state_dict(mod.state_dict())
+    calls.clear()
+    gelu(x, idx, w)
+    assert calls == []
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_awq_moe_gemv_every_row_variant(rows, dtype):

@@ -58,6 +58,7 @@ __all__ = [
     "moe_route",
     "moe_segments",
     "prepare_decode",
+    "silu_mul",
 ]
 
 PACK = 8  # int4 values per int32 word
@@ -648,6 +649,39 @@ def _(y, top_k_weights, top_k_index, num_experts):
     return y.new_empty((top_k_index.shape[0], y.shape[-1]))
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up (..., 2I)``, a row's ``I`` gate columns then its ``I`` up
+    columns (the experts' gate_up projection), in its dtype, each step rounded as the two torch
+    ops round it (``silu`` to the dtype, then the product). On CUDA (16-bit, ``I % 8 == 0``,
+    contiguous and 16-byte aligned) one kernel launch instead of torch's two and their
+    intermediate; elsewhere, and while ``torch.compile`` traces (it fuses the two itself), the
+    torch ops."""
+    i2 = gate_up.shape[-1]
+    if (
+        not torch.compiler.is_compiling()
+        and gate_up.is_cuda
+        and gate_up.dtype in _GEMM_DTYPES
+        and i2 % 16 == 0
+        and gate_up.numel() > 0
+        and gate_up.is_contiguous()
+        and gate_up.data_ptr() % 16 == 0
+    ):
+        out = gate_up.new_empty((*gate_up.shape[:-1], i2 // 2))
+        index = _device_index(gate_up.device)
+        _native.silu_mul_launch(
+            gate_up.data_ptr(),
+            gate_up.dtype == torch.bfloat16,
+            gate_up.numel() // i2,
+            i2 // 2,
+            out.data_ptr(),
+            index,
+            _current_stream(index),
+        )
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
 def _cuda_moe_gemv(
     x: torch.Tensor,
     x_rows: torch.Tensor,
@@ -1002,6 +1036,7 @@ class AwqExperts(nn.Module):
         self.num_experts, self.hidden_dim, self.intermediate_dim, self.group_size = e, h, i, g
         self.hidden_act = hidden_act
         self.act_fn = _act_fn(hidden_act)
+        self._silu = hidden_act in ("silu", "swish")  # silu_mul: one launch for act(gate) * up
         self.quantized_gate_up, self.quantized_down = quantized_gate_up, quantized_down
         if quantized_gate_up:
             _check_awq("AwqExperts.gate_up", *_empty_awq(h, 2 * i, g), g, h, 2 * i)
@@ -1092,9 +1127,8 @@ class AwqExperts(nn.Module):
             g,
             rows,
         )  # (T*k, 2I), row = pair
-        gate, up = gate_up.chunk(2, dim=-1)
         y = gemv(
-            self.act_fn(gate) * up,
+            self._act_mul(gate_up),
             order,
             order,
             segments,
@@ -1105,6 +1139,13 @@ class AwqExperts(nn.Module):
             rows,
         )  # (T*k, H); masked pairs are zeros
         return moe_combine(y, top_k_weights, top_k_index, e).to(hidden_states.dtype)
+
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of the gate_up projection's output ``(rows, 2I)``."""
+        if self._silu:
+            return silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -1128,8 +1169,7 @@ class AwqExperts(nn.Module):
                 continue
             tokens = token_of[start : start + count]
             x = hidden_states.index_select(0, tokens)
-            gate, up = self._proj("gate_up", x, e).chunk(2, dim=-1)
-            y = self._proj("down", self.act_fn(gate) * up, e)
+            y = self._proj("down", self._act_mul(self._proj("gate_up", x, e)), e)
             y = y * weight_of[start : start + count, None]
             out.index_put_((tokens,), y.float(), accumulate=True)  # CPU index_add_ is ~100x slower
             start += count

@@ -131,6 +131,7 @@ impl Module {
                 "w4a16_gemv3g_bf16_r4",
                 "moe_route",
                 "moe_combine",
+                "silu_mul",
                 "w4a16_reduce_f16",
                 "w4a16_reduce_bf16",
                 "w4a16_tile_repack",

@@ -2424,6 +2424,65 @@ pub unsafe fn moe_combine(a: &MoeCombine, s: Stream) -> Result<()> {
     unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
 }
 
+/// Arguments of [`silu_mul`]: the experts' activation `silu(gate) · up` of their gate_up rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SiluMul {
+    /// Input `[rows, 2·inter]` of `act`: a row's `inter` gate columns, then its `inter` up
+    /// columns (the gate_up projection's output), 16-byte aligned.
+    pub x: u64,
+    /// Element type of `x` and `out`: F16 or Bf16.
+    pub act: DType,
+    /// Rows (≥ 1).
+    pub rows: usize,
+    /// Columns of each half, `inter`: a positive multiple of 8.
+    pub inter: usize,
+    /// Output `[rows, inter]` of `act`, 16-byte aligned.
+    pub out: u64,
+}
+
+impl SiluMul {
+    /// Checks sizes, dtype and pointers without touching the driver.
+    pub fn validate(&self) -> Result<()> {
+        check_act(self.act)?;
+        check_nonzero("rows", self.rows)?;
+        if self.inter == 0 || !self.inter.is_multiple_of(8) {
+            return Err(CudaError::arg(
+                "inter",
+                "a positive multiple of 8",
+                self.inter,
+            ));
+        }
+        to_i32("2·inter", 2 * self.inter)?;
+        let outputs = self
+            .rows
+            .checked_mul(self.inter)
+            .ok_or_else(|| CudaError::arg("rows", "rows · inter below 2^63", self.rows))?;
+        blocks(outputs / 8, 256)?;
+        check_align("x", self.x, 16)?;
+        check_align("out", self.out, 16)?;
+        Ok(())
+    }
+}
+
+/// `out[r, c] = silu(x[r, c]) · x[r, inter + c]` (see [`SiluMul`]) in one launch, each step
+/// rounded as torch's `silu` and `mul` round it: `g / (1 + exp(-g))` in fp32, rounded to the
+/// activation type, then its fp32 product with up, rounded to the activation type.
+///
+/// # Safety
+/// See the module documentation.
+pub unsafe fn silu_mul(a: &SiluMul, s: Stream) -> Result<()> {
+    a.validate()?;
+    let dev = dev_of(s)?;
+    let f = dev.function("silu_mul")?;
+    let (mut px, mut po) = (a.x, a.out);
+    let (mut rows, mut inter, mut bf) =
+        (a.rows as i64, a.inter as i32, (a.act == DType::Bf16) as i32);
+    let mut p = args!(px, rows, inter, bf, po);
+    let grid = (blocks(a.rows * a.inter / 8, 256)?, 1, 1);
+    // SAFETY: parameter list matches silu_mul; buffers per SiluMul's contract.
+    unsafe { launch(dev, f, grid, (256, 1, 1), 0, s.handle, &mut p) }
+}
+
 /// Smallest output count the split-K reduction sums four at a time.
 const REDUCE_VEC_MIN: usize = 1 << 16;
 
@@ -3153,6 +3212,55 @@ mod tests {
             group_size,
             symmetric: false,
         }
+    }
+
+    #[test]
+    fn silu_mul_args_are_validated_before_the_driver() {
+        let a = SiluMul {
+            x: 256,
+            act: DType::Bf16,
+            rows: 3,
+            inter: 1408,
+            out: 512,
+        };
+        assert!(a.validate().is_ok());
+        assert_eq!(
+            refused(
+                SiluMul {
+                    act: DType::F32,
+                    ..a
+                }
+                .validate()
+            ),
+            "act"
+        );
+        assert_eq!(refused(SiluMul { rows: 0, ..a }.validate()), "rows");
+        assert_eq!(refused(SiluMul { inter: 0, ..a }.validate()), "inter");
+        assert_eq!(refused(SiluMul { inter: 12, ..a }.validate()), "inter");
+        assert_eq!(
+            refused(
+                SiluMul {
+                    inter: 1 << 30,
+                    ..a
+                }
+                .validate()
+            ),
+            "2·inter"
+        );
+        assert_eq!(refused(SiluMul { rows: 1 << 40, ..a }.validate()), "grid");
+        assert_eq!(
+            refused(
+                SiluMul {
+                    rows: usize::MAX,
+                    ..a
+                }
+                .validate()
+            ),
+            "rows"
+        );
+        assert_eq!(refused(SiluMul { x: 0, ..a }.validate()), "x");
+        assert_eq!(refused(SiluMul { x: 264, ..a }.validate()), "x");
+        assert_eq!(refused(SiluMul { out: 8, ..a }.validate()), "out");
     }
 
     #[test]

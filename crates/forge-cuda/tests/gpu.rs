@@ -1764,6 +1764,89 @@ fn moe_route_matches_reference() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
+fn silu_mul_matches_reference() {
+    assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
+    let mut r = Lcg(94);
+    for (rows, inter) in [(1usize, 2048usize), (6, 1408), (300, 8), (2, 24)] {
+        for act in [DType::F16, DType::Bf16] {
+            let to16 = |v: f64| match act {
+                DType::F16 => f16::from_f64(v).to_bits(),
+                _ => bf16::from_f64(v).to_bits(),
+            };
+            let of16 = |b: u16| match act {
+                DType::F16 => f16::from_bits(b).to_f64(),
+                _ => bf16::from_bits(b).to_f64(),
+            };
+            // Gate and up values: scaled normals, and the edges (signed zeros, values whose
+            // exp(-g) overflows fp32 or underflows to 0, the type's largest).
+            let big = if act == DType::F16 { 60000.0 } else { 1e30 };
+            let edges = [0.0, -0.0, 90.0, -90.0, 120.0, -120.0, big, -big];
+            let x: Vec<u16> = (0..rows * 2 * inter)
+                .map(|i| {
+                    if i % 97 < edges.len() {
+                        to16(edges[i % 97])
+                    } else {
+                        to16(4.0 * r.n() as f64)
+                    }
+                })
+                .collect();
+            // The definition, each step in f64 and rounded as torch rounds it: silu to the
+            // type, then the product to the type. The kernel's fp32 steps may differ by an
+            // ulp where a value sits on a rounding edge.
+            let mut want = vec![0f64; rows * inter];
+            for row in 0..rows {
+                for c in 0..inter {
+                    let g = of16(x[row * 2 * inter + c]);
+                    let u = of16(x[row * 2 * inter + inter + c]);
+                    let a = of16(to16(g / (1.0 + (-g).exp())));
+                    want[row * inter + c] = of16(to16(a * u));
+                }
+            }
+            let dx = DeviceBuf::from_slice(0, &x).unwrap();
+            let dout = DeviceBuf::zeroed(0, rows * inter * 2).unwrap();
+            let a = ops::SiluMul {
+                x: dx.ptr(),
+                act,
+                rows,
+                inter,
+                out: dout.ptr(),
+            };
+            unsafe { ops::silu_mul(&a, S) }.unwrap();
+            synchronize(0).unwrap();
+            let got: Vec<f64> = dout
+                .download::<u16>()
+                .unwrap()
+                .into_iter()
+                .map(of16)
+                .collect();
+            // An ulp relative to the value, or the type's smallest subnormal.
+            let (ulp, tiny) = if act == DType::F16 {
+                (2f64.powi(-10), 2f64.powi(-24))
+            } else {
+                (2f64.powi(-7), 2f64.powi(-133))
+            };
+            let mut exact = 0;
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                if g == w && g.is_sign_negative() == w.is_sign_negative() {
+                    exact += 1;
+                    continue;
+                }
+                assert!(
+                    (g - w).abs() <= (2.0 * ulp * w.abs()).max(tiny),
+                    "rows={rows} inter={inter} {act:?} [{i}]: {g} against {w}"
+                );
+            }
+            assert!(
+                exact * 1000 >= 999 * got.len(),
+                "rows={rows} inter={inter} {act:?}: {exact} of {} exact",
+                got.len()
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -p forge-cuda --release -- --ignored"]
 fn moe_combine_matches_reference() {
     assert!(gpu(), "no usable NVIDIA GPU: {:?}", status().reason);
     let mut r = Lcg(93);

@@ -684,6 +684,33 @@ pub fn moe_combine_launch(
     unsafe { cu::moe_combine(&args, torch_stream(device, stream)) }.map_err(|e| cuda_err(py, e))
 }
 
+/// The experts' activation launch (see `forge_cuda::ops::silu_mul`) on plain integers: `x`
+/// (`[rows, 2·inter]`, gate columns then up columns, bf16 when `bf16` else f16) into `out`
+/// (`[rows, inter]`, x's type), allocated by the caller with torch on that stream; launched
+/// asynchronously (legal under CUDA-graph capture).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn silu_mul_launch(
+    py: Python<'_>,
+    x: u64,
+    bf16: bool,
+    rows: usize,
+    inter: usize,
+    out: u64,
+    device: usize,
+    stream: u64,
+) -> PyResult<()> {
+    let args = cu::SiluMul {
+        x,
+        act: act_dtype(bf16),
+        rows,
+        inter,
+        out,
+    };
+    // SAFETY: the caller passes live device allocations of the documented sizes on `device`.
+    unsafe { cu::silu_mul(&args, torch_stream(device, stream)) }.map_err(|e| cuda_err(py, e))
+}
+
 /// The grouped MoE GEMV launch behind `forge::awq_moe_gemv`, on plain integers like
 /// [`w4a16_launch`]: `x` (activations, rows read through `x_rows`), `x_rows` / `out_rows`
 /// (int32 `[pairs]`), `segments` (int32 `[num_segments, 3]`: first sorted position, row

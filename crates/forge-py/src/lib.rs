@@ -52,6 +52,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_ops::w4a16_grouped_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::moe_route_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::moe_combine_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_ops::silu_mul_launch, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::moe_max_segments, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::tile_shape_ok, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ops::grouped_tc_max_rows, m)?)?;
