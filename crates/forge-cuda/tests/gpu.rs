@@ -1790,16 +1790,18 @@ fn silu_mul_matches_reference() {
                     }
                 })
                 .collect();
-            // The definition, each step in f64 and rounded as torch rounds it: silu to the
-            // type, then the product to the type. The kernel's fp32 steps may differ by an
-            // ulp where a value sits on a rounding edge.
+            // The definition as torch computes it, each step in fp32 (its opmath type, so
+            // exp(-g) overflows to inf for g < -88.7 where f64 would keep a tiny silu) and
+            // rounded as torch rounds it: silu to the type, then the product to the type.
+            // Rust's exp and CUDA's expf may differ by an fp32 ulp, which moves a value on a
+            // rounding edge by one ulp of the type.
             let mut want = vec![0f64; rows * inter];
             for row in 0..rows {
                 for c in 0..inter {
-                    let g = of16(x[row * 2 * inter + c]);
-                    let u = of16(x[row * 2 * inter + inter + c]);
-                    let a = of16(to16(g / (1.0 + (-g).exp())));
-                    want[row * inter + c] = of16(to16(a * u));
+                    let g = of16(x[row * 2 * inter + c]) as f32;
+                    let u = of16(x[row * 2 * inter + inter + c]) as f32;
+                    let a = of16(to16((g / (1.0 + (-g).exp())) as f64)) as f32;
+                    want[row * inter + c] = of16(to16((a * u) as f64));
                 }
             }
             let dx = DeviceBuf::from_slice(0, &x).unwrap();
@@ -1836,8 +1838,9 @@ fn silu_mul_matches_reference() {
                     "rows={rows} inter={inter} {act:?} [{i}]: {g} against {w}"
                 );
             }
+            // At most one output in a thousand (and at least one) off the definition.
             assert!(
-                exact * 1000 >= 999 * got.len(),
+                got.len() - exact <= (got.len() / 1000).max(1),
                 "rows={rows} inter={inter} {act:?}: {exact} of {} exact",
                 got.len()
             );
