@@ -41,12 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cuda import (  # noqa: E402
     SHAPES,
     G,
+    add_shapes_argument,
     awq_maker,
     awq_weights,
     bf16_maker,
     cold_and_chain_times,
     graph_time,
-    parse_shapes,
     tinygemm_maker,
     tinygemm_weights,
 )
@@ -119,14 +119,7 @@ def main() -> None:
     )
     ap.add_argument("--group", type=int, default=G, help="quantization group size G (default %(default)s)")
     ap.add_argument("--reps", type=int, default=2, help="measurements per time (the lowest is kept)")
-    ap.add_argument(
-        "--shapes",
-        type=parse_shapes,
-        default=None,
-        help="weight shapes KxN, comma-separated (default: the bench's DeepSeek shapes, "
-        + ", ".join(f"{k}x{n}" for k, n in SHAPES)
-        + ")",
-    )
+    add_shapes_argument(ap)
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     shapes = args.shapes or SHAPES

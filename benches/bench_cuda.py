@@ -45,6 +45,18 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def add_shapes_argument(ap: argparse.ArgumentParser) -> None:
+    """``--shapes KxN,...`` (:func:`parse_shapes`; default None: :data:`SHAPES`)."""
+    ap.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=None,
+        help="weight shapes KxN, comma-separated (default: "
+        + ", ".join(f"{k}x{n}" for k, n in SHAPES)
+        + ", DeepSeek-V3's)",
+    )
+
+
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """``max |got − ref| / max |ref|``, in ``ref``'s dtype."""
     return float((got.to(ref.dtype) - ref).abs().max() / ref.abs().max())
@@ -800,14 +812,7 @@ def main() -> None:
     ap.add_argument(
         "--batch", type=int, default=None, help="experts per batched GPTQ call (default: 64, or what fits)"
     )
-    ap.add_argument(
-        "--shapes",
-        type=parse_shapes,
-        default=None,
-        help="weight shapes KxN, comma-separated (default: "
-        + ", ".join(f"{k}x{n}" for k, n in SHAPES)
-        + ", DeepSeek-V3's)",
-    )
+    add_shapes_argument(ap)
     gpu_budget.add_argument(ap)
     args = ap.parse_args()
     if args.shapes:
