@@ -909,8 +909,8 @@ fn wg_splits(
     (tokens, stage_cost): (usize, f64),
     clustered: &dyn Fn(usize) -> bool,
 ) -> (usize, f64) {
+    let per_sm = wg_blocks_per_sm(tokens);
     let cost = |s: usize| {
-        let per_sm = wg_blocks_per_sm(tokens);
         let mut us = stages.div_ceil(s) as f64 * wg_stage_us(base * s, sms, per_sm) * stage_cost;
         if s > 1 {
             let passes = if clustered(s) { 2 * s } else { 2 * s + 1 };
@@ -966,27 +966,27 @@ fn gemm_plan(
         let wg_sms = wg.sms;
         let nblocks = n / WG_BN;
         let stages = k / WG_BK;
+        // Whether `s` splits of the `tokens` tile are summed in a cluster (one has nothing to sum).
+        let clustered = |tokens: usize, s: usize| {
+            s > 1 && (wg.clustered)((tokens, nblocks, m.div_ceil(tokens), s))
+        };
         // Each candidate tile priced at its best split count; ties to the first (the smaller).
         let (tokens, splits, _) = wg_tiles(m, knobs().gemm_wg_tokens)
             .into_iter()
             .map(|(tokens, stage_cost)| {
-                let mblocks = m.div_ceil(tokens);
-                let clustered = |s: usize| s > 1 && (wg.clustered)((tokens, nblocks, mblocks, s));
                 let (splits, us) = wg_splits(
-                    nblocks * mblocks,
+                    nblocks * m.div_ceil(tokens),
                     wg_sms,
                     stages,
                     m * n,
                     (tokens, stage_cost),
-                    &clustered,
+                    &|s| clustered(tokens, s),
                 );
                 (tokens, splits, us)
             })
             .min_by(|a, b| a.2.total_cmp(&b.2))
             .unwrap_or((WG_BN, 1, f64::INFINITY));
         let mblocks = m.div_ceil(tokens);
-        // One split has nothing to sum.
-        let clustered = |s: usize| s > 1 && (wg.clustered)((tokens, nblocks, mblocks, s));
         let splits = knobs().gemm_wg_splits.unwrap_or(splits).min(stages.max(1));
         let per = stages.div_ceil(splits).max(1);
         let splits = stages.div_ceil(per);
@@ -995,7 +995,7 @@ fn gemm_plan(
             nblocks,
             mblocks,
             splits,
-            cluster: clustered(splits),
+            cluster: clustered(tokens, splits),
             k_chunk: per * WG_BK,
             smem: wg_smem(nblocks * mblocks * splits, wg_sms, tokens) as usize,
             threads: WG_THREADS,
