@@ -44,6 +44,9 @@ __device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
     asm("{ .reg .b16 t; cvt.rn.bf16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
     return h;
 }
+// A 16-bit activation, bf16 when `bf` else f16, to fp32 and back (round to nearest even).
+__device__ __forceinline__ float act_to_f32(u16 h, bool bf) { return bf ? bf16_to_f32(h) : f16_to_f32(h); }
+__device__ __forceinline__ u16 f32_to_act_rn(float f, bool bf) { return bf ? f32_to_bf16_rn(f) : f32_to_f16_rn(f); }
 // A table read (1 KB, stays in L1): measured faster than decoding the bits arithmetically
 // (fused FP8 pack of 7168x18432 on an H200: 137 vs 148 us). sm_89+ use the hardware
 // conversion instead (e4m3x8_to_f32; the same pack on an H100: 129.8 vs 136.2 us).

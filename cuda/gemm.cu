@@ -275,7 +275,7 @@ __device__ __forceinline__ void w4a16_awq_impl(const u16* __restrict__ x, const 
                         ((float*)out)[((i64)blockIdx.z * M + r) * N + n] = v;
                     } else {
                         const i64 row = GROUPED ? (i64)route.out_rows[first + r] : (i64)r;
-                        ((u16*)out)[row * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                        ((u16*)out)[row * N + n] = f32_to_act_rn(v, BF);
                     }
                 }
             }
@@ -597,7 +597,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
         u16* y = (u16*)out + row * N + 8 * wc0 + c4;  // y is only 2-byte aligned
         const float f[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int e = 0; e < 4; e++) y[e] = BF ? f32_to_bf16_rn(f[e]) : f32_to_f16_rn(f[e]);
+        for (int e = 0; e < 4; e++) y[e] = f32_to_act_rn(f[e], BF);
     };
     if (split_out == WG_OUT_CLUSTER) {
         // K split over the blocks of one cluster (ops.rs launches cluster dims (1, 1, gridDim.z)):
@@ -699,13 +699,13 @@ __device__ __forceinline__ void w4a16_reduce_impl(const float* ws, u16* y, int s
         }
         const float f[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
-        for (int e = 0; e < 4; e++) y[i + e] = BF ? f32_to_bf16_rn(f[e]) : f32_to_f16_rn(f[e]);
+        for (int e = 0; e < 4; e++) y[i + e] = f32_to_act_rn(f[e], BF);
         return;
     }
     if (tid >= mn) return;
     float s = 0.0f;
     for (int z = 0; z < splits; z++) s = s + ws[(i64)z * mn + tid];
-    y[tid] = BF ? f32_to_bf16_rn(s) : f32_to_f16_rn(s);
+    y[tid] = f32_to_act_rn(s, BF);
 }
 extern "C" __global__ void w4a16_reduce_f16(const float* ws, u16* y, int splits, i64 mn, int vec) {
     w4a16_reduce_impl<false>(ws, y, splits, mn, vec);
@@ -879,7 +879,7 @@ __device__ __forceinline__ void w4a16_gemv_impl(const u16* __restrict__ x, const
                     if (split_out) {
                         ((float*)out)[((i64)blockIdx.z * M + r) * N + n] = v;
                     } else {
-                        ((u16*)out)[(i64)r * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                        ((u16*)out)[(i64)r * N + n] = f32_to_act_rn(v, BF);
                     }
                 }
             }
@@ -1082,7 +1082,7 @@ __device__ __forceinline__ void gemv3_core(const Gv3Rows<MR>& rows, int m, bool 
                 if (split_out) {
                     ((float*)out)[((i64)blockIdx.z * M + orow) * N + n] = v;
                 } else {
-                    ((u16*)out)[orow * N + n] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                    ((u16*)out)[orow * N + n] = f32_to_act_rn(v, BF);
                 }
             }
         }
@@ -1257,14 +1257,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const u16* y, cons
 #pragma unroll
         for (int c = 0; c < 8; c++) {
             const u16 b = (u16)(u[c >> 1] >> (16 * (c & 1)));
-            acc[c] = __fadd_rn(acc[c], __fmul_rn(wj, bf ? bf16_to_f32(b) : f16_to_f32(b)));
+            acc[c] = __fadd_rn(acc[c], __fmul_rn(wj, act_to_f32(b, bf)));
         }
     }
     u32 o[4];
 #pragma unroll
     for (int c = 0; c < 4; c++) {
-        const u16 lo = bf ? f32_to_bf16_rn(acc[2 * c]) : f32_to_f16_rn(acc[2 * c]);
-        const u16 hi = bf ? f32_to_bf16_rn(acc[2 * c + 1]) : f32_to_f16_rn(acc[2 * c + 1]);
+        const u16 lo = f32_to_act_rn(acc[2 * c], bf);
+        const u16 hi = f32_to_act_rn(acc[2 * c + 1], bf);
         o[c] = (u32)lo | ((u32)hi << 16);
     }
     *(uint4*)(out + (i64)t * H + h) = make_uint4(o[0], o[1], o[2], o[3]);
@@ -1292,12 +1292,12 @@ extern "C" __global__ void __launch_bounds__(256) silu_mul(const u16* x, i64 row
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const u16 gb = (u16)(g2[w] >> (16 * h)), ub = (u16)(u2[w] >> (16 * h));
-            const float g = bf ? bf16_to_f32(gb) : f16_to_f32(gb);
-            const float u = bf ? bf16_to_f32(ub) : f16_to_f32(ub);
+            const float g = act_to_f32(gb, bf);
+            const float u = act_to_f32(ub, bf);
             const float a = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
-            const u16 ab = bf ? f32_to_bf16_rn(a) : f32_to_f16_rn(a);
-            const float p = __fmul_rn(bf ? bf16_to_f32(ab) : f16_to_f32(ab), u);
-            word |= (u32)(bf ? f32_to_bf16_rn(p) : f32_to_f16_rn(p)) << (16 * h);
+            const u16 ab = f32_to_act_rn(a, bf);
+            const float p = __fmul_rn(act_to_f32(ab, bf), u);
+            word |= (u32)f32_to_act_rn(p, bf) << (16 * h);
         }
         o[w] = word;
     }
@@ -1385,8 +1385,8 @@ __device__ __forceinline__ void awq_dequant_impl(const u32* __restrict__ qw, con
             u32 h[4];
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const u32 lo = KIND == 1 ? f32_to_f16_rn(v[2 * j]) : f32_to_bf16_rn(v[2 * j]);
-                const u32 hi = KIND == 1 ? f32_to_f16_rn(v[2 * j + 1]) : f32_to_bf16_rn(v[2 * j + 1]);
+                const u32 lo = f32_to_act_rn(v[2 * j], KIND == 2);
+                const u32 hi = f32_to_act_rn(v[2 * j + 1], KIND == 2);
                 h[j] = lo | (hi << 16);
             }
             *(uint4*)o = make_uint4(h[0], h[1], h[2], h[3]);
@@ -1641,7 +1641,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
             if (col < M) {
                 float v = 0.0f;
                 for (int w = 0; w < nwarps; w++) v += red16[w][row][col];
-                y[(i64)col * N + 16 * t + row] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                y[(i64)col * N + 16 * t + row] = f32_to_act_rn(v, BF);
             }
         }
     } else {
@@ -1656,7 +1656,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
             if (col < M) {
                 float v = 0.0f;
                 for (int w = 0; w < nwarps; w++) v += red_dyn[(w * 16 + row) * 8 + col];
-                y[(i64)col * N + 16 * t + row] = BF ? f32_to_bf16_rn(v) : f32_to_f16_rn(v);
+                y[(i64)col * N + 16 * t + row] = f32_to_act_rn(v, BF);
             }
         }
     }
