@@ -137,7 +137,9 @@ DENSE_ROUTE = True
 #: 1.00-1.16x, but the model's forward at 1024-2048 tokens measured 0.73-1.40x over repeated
 #: runs, so the route starts at 4096. Since the fused kernel's 256-token tile (session 47) the
 #: route runs at 0.94-0.98x the fused kernel's speed at 1024 rows, 1.03-1.17x at 2048 and
-#: 1.10-1.31x at 4096 (same bench), so 4096 stays.
+#: 1.10-1.31x at 4096 (same bench), so 4096 stays; on 14 dense-model shapes (session 48,
+#: ``bench_cuda.py --only dense --shapes ...``) it ran 1.05-1.25x at 4096 rows on every shape
+#: and 0.92-1.13x at 2048.
 DENSE_MIN_ROWS = 4096
 #: Largest transient dense weight, in bytes, the dense route makes; larger layers keep the
 #: fused kernel (a DeepSeek-V3 dense MLP projection, 7168 x 18432, takes 264 MB in bf16).
@@ -401,12 +403,12 @@ GROUPED_TC_MIN_SHARE = 2
 #: projections), of which the layer must reach both numbers of one; else 128 rows at most. Its
 #: K is not split, so a lone block an SM pays off only for enough rows and long enough K, and
 #: fewer rows need longer K. On an H200, 256 against 128 rows over 63 measured rows of 15 layer
-#: shapes, uniform and skewed routing (crates/forge-cuda/README.md, "A 256-token tile" and "The
-#: wide segments' rule on 15 layer shapes"): these pairs take every gain of 3 % or more and no
-#: loss. Past 512 pairs an
-#: expert DBRX-like experts (mean in features 8448) run 1.14-1.19x, Qwen3-235B-like ones (2816)
-#: 1.02-1.08x; ERNIE-4.5-21B-like ones (2048) 0.96 / 1.04 / 1.06x at 512 / 1024 / 2048;
-#: OLMoE-like ones (1536) 0.98 / 1.02 / 1.05x at 1024 / 2048 / 4096; at 256 every shape 0.84-1.02x.
+#: shapes, uniform and skewed routing (crates/forge-cuda/README.md, "A 256-token tile" and
+#: "Session 48"): these pairs take every gain of 3 % or more and no loss. Past 512 pairs an
+#: expert, DBRX-like experts (mean in features 8448) run 1.14-1.19x and Qwen3-235B-like ones
+#: (2816) 1.02-1.08x; ERNIE-4.5-21B-like ones (2048) run 0.96 / 1.04 / 1.06x at 512 / 1024 /
+#: 2048 pairs an expert, OLMoE-like ones (1536) 0.98 / 1.02 / 1.05x at 1024 / 2048 / 4096; at
+#: 256 every shape runs 0.84-1.02x.
 GROUPED_TC_WIDE = ((512, 2560), (1024, 2048), (2048, 1536))
 #: The tensor-core form's rows per segment (its token tiles: ``forge_cuda::ops::GROUPED_TC_ROWS``).
 GROUPED_TC_ROWS = tuple(_native.GROUPED_TC_ROWS)
