@@ -134,6 +134,40 @@ def test_cuda_graph_replay_equals_eager(lead, k, n, group, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,n", [(1, 40), (3, 280), (17, 3608), (300, 72), (64, 48), (5, 48)])
+def test_out_features_the_kernels_do_not_take(m, n, dtype):
+    """AWQ allows any N % 8 == 0; the fused kernels take N % 32 == 0. Other layers (and
+    forge.awq_matmul on such tensors) take the dense route at every M, DENSE_ROUTE or not:
+    bit for bit ``torch.mm`` on the kernels' own weights written in the test, within the
+    float32-reference bound; the same twice (the second call with no cached state to go
+    stale) and under CUDA-graph replay. At M <= 16 with N % 16 == 0 the tiled GEMV takes them
+    first (its own bound)."""
+    k, group = 512, 64
+    mod = random_layer(k, n, group, seed=n)
+    w = kernel_weight(mod.qweight, mod.qzeros, mod.scales, group, dtype)
+    ref = ref_weight(mod.qweight, mod.qzeros, mod.scales, group)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    y = forge.awq_matmul(x, mod.qweight, mod.qzeros, mod.scales, group)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert torch.equal(y, torch.mm(x, w))
+    assert rel_err(y, x.float() @ ref.T) < TOL[dtype]
+    y_mod = mod(x)
+    assert rel_err(y_mod, x.float() @ ref.T) < TOL[dtype]
+    if m > runtime.TILED_MAX_M or n % 16:
+        assert torch.equal(y_mod, y)
+    assert torch.equal(mod(x), y_mod)
+    graph = torch.cuda.CUDAGraph()
+    static_x = x.clone()
+    mod(static_x)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static_y = mod(static_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, y_mod)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dense_route_for_many_rows(monkeypatch, dtype):
     """From DENSE_MIN_ROWS rows a CUDA call multiplies the kernels' own weights, dequantized
     into a dense copy, with cuBLAS: bit for bit ``torch.mm(x, W)`` with W written in the test,

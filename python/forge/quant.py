@@ -646,7 +646,9 @@ def awq_matmul(
 
     The result has ``x``'s dtype. On the CPU this is the reference path (dequantise, then
     GEMM in float32); CUDA tensors run the fused W4A16 kernel (fp16/bf16 activations,
-    fp32 accumulation) reading the AWQ tensors as they are.
+    fp32 accumulation) reading the AWQ tensors as they are, or, for out features that are
+    not a multiple of 32 (which the kernels do not take), the weights dequantized as the
+    kernels take them and one cuBLAS product.
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         # let the native layer name the problem (type, or "expected (M, K)")
@@ -657,7 +659,14 @@ def awq_matmul(
         x2 = x2.to(torch.float32)
     elif x2.dtype not in (torch.float16, torch.bfloat16):
         x2 = x2.to(torch.float16)
-    y = _native.awq_matmul(x2.contiguous(), qweight, qzeros, scales, group_size)
+    if x.is_cuda and isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[-1] % 32:
+        # Out features the fused kernels do not take (AWQ allows N % 8 == 0, they need
+        # N % 32 == 0): the runtime's dense route, which checks the tensors itself.
+        from .runtime import _cuda_gemm
+
+        y = _cuda_gemm(x2, qweight, qzeros, scales, group_size)
+    else:
+        y = _native.awq_matmul(x2.contiguous(), qweight, qzeros, scales, group_size)
     return y.reshape(*lead, y.shape[-1]).to(x.dtype)
 
 

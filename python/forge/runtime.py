@@ -174,7 +174,10 @@ def _cuda_gemm(
     """``x (..., K) @ dequant(W).T`` on CUDA in ``x``'s dtype (fp16/bf16 natively; other
     dtypes through fp16). Output and scratch come from torch's allocator on the current
     stream, the kernel is launched on that stream, and nothing waits for the GPU. Calls of
-    many rows take the dense route (:data:`DENSE_ROUTE`)."""
+    many rows take the dense route (:data:`DENSE_ROUTE`), and so does every call on out
+    features the fused kernels do not take (AWQ allows ``N % 8 == 0``, the kernels need
+    ``N % 32 == 0``): the weights dequantized as the kernels take them, then one cuBLAS
+    product."""
     dev = x.device
     _, k, n = _check_device_awq(qweight, qzeros, scales, group_size, dev, stacked=False)
     if x.shape[-1] != k:
@@ -183,12 +186,15 @@ def _cuda_gemm(
     xa, y, m, index = _launch_io(x, k, n)
     if m == 0:
         return y.to(x.dtype)
-    if (
+    odd_n = n % 32 != 0
+    if odd_n or (
         DENSE_ROUTE
         and m >= DENSE_MIN_ROWS
         and k * n * xa.element_size() <= DENSE_MAX_BYTES
         and scales.data_ptr() % 16 == 0  # else the fused kernel names it
     ):
+        if scales.data_ptr() % 16:  # the dequantization reads it 16 bytes at a time
+            scales = scales.clone()
         w = _dense_launch(qweight, qzeros, scales, k, n, group_size, xa.dtype, index)
         torch.mm(xa.view(m, k), w, out=y.view(m, n))
         return y if y.dtype == x.dtype else y.to(x.dtype)
