@@ -212,3 +212,227 @@ def test_awq_experts_random_configs(act):
         assert y.shape == x.shape and y.dtype == act, what
         err = float((y.float() - ref).abs().max() / ref.abs().max())
         assert err < MOE_TOL[act], (what, err)
+
+
+# --------------------------------------------------------------------------- quantization kernels
+
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def random_weight(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows with some hard ones (a zero row, a constant row, tiny and huge rows)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    for r, f in ((0, 0.0), (rows // 2, 1e-6), (rows - 1, 300.0)):
+        w[r] *= f
+    if rows > 3:
+        w[1] = 0.37
+    if dtype == torch.float8_e4m3fn:
+        w = w.clamp(-440, 440)
+    return w.to(dtype)
+
+
+def test_grid_and_pack_random_shapes():
+    """build_quant_grid (range and MSE, 2 to 8 bits, asymmetric and symmetric, every weight
+    dtype, FP8 with and without DeepSeek block scales, columns padded to whole groups or not)
+    and the fused 4-bit quantize + pack on 48 random shapes: the GPU's bytes equal the CPU's."""
+    rng = random.Random(4930)
+    for i in range(48):
+        dtype = rng.choice(WEIGHT_DTYPES)
+        g = rng.choice((32, 64, 96, 128, 128, 160, 256))
+        rows = rng.choice((rng.randint(1, 300), 8 * rng.randint(1, 400)))
+        cols = g * rng.randint(1, 4096 // g)
+        if i % 4 == 3:
+            cols += rng.randint(1, g - 1)  # a padded last group (the grid only)
+        bits, sym, mode = rng.choice((2, 3, 4, 4, 4, 8)), rng.random() < 0.3, rng.choice(("range", "mse"))
+        w = random_weight(rows, cols, dtype, seed=400 + i)
+        s = None
+        if dtype == torch.float8_e4m3fn and rng.random() < 0.6:
+            s = 10 ** (
+                torch.rand(-(-rows // 128), -(-cols // 128), generator=torch.Generator().manual_seed(i)) * 4
+                - 3
+            )
+        what = (
+            f"draw {i}: {rows}x{cols} {dtype} G={g} bits={bits} sym={sym} {mode} block scales={s is not None}"
+        )
+        cpu = forge.build_quant_grid(w, g, bits, sym, mode, scale_inv=s)
+        gpu = forge.build_quant_grid(w.cuda(), g, bits, sym, mode, scale_inv=None if s is None else s.cuda())
+        assert gpu[1:] == cpu[1:], what
+        assert torch.equal(gpu[0].cpu(), cpu[0]), what
+        if bits == 4 and rows % 8 == 0 and cols % g == 0:  # AWQ: N % 8, whole groups
+            want = forge.quantize_pack_awq(w, cpu[0], g, scale_inv=s)
+            got = forge.quantize_pack_awq(
+                w.cuda(), cpu[0].cuda(), g, scale_inv=None if s is None else s.cuda()
+            )
+            for a, b in zip(want, got, strict=True):
+                assert torch.equal(a, b.cpu()), what
+
+
+def scaled_err(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> float:
+    """max |got − want| / Σ_t |x_ti x_tj| (element by element; exact where the sum is 0)."""
+    return float(((got.double() - want).abs() / mag.clamp_min(1e-30)).max())
+
+
+def product_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """cuBLAS's ``a @ b`` accumulated in float32 (tensor cores for 16-bit inputs): the peer."""
+    return torch.mm(a, b) if a.dtype == torch.float32 else torch.mm(a, b, out_dtype=torch.float32)
+
+
+def test_hessians_random_shapes():
+    """hessian_update and hessian_update_segmented (adding, and overwrite) on 24 random
+    shapes (D from 3 to 3000, D % 8 != 0 included; float32, float16, bfloat16 inputs; up to
+    12000 rows; 1 to 40 experts, some without rows, a token routed to several) against the
+    float64 product. Each result's largest error, element by element relative to
+    ``Σ_t |x_ti x_tj|``, must be within the kernels' stated bound ``1e-6·√n`` (n: the rows
+    summed) or at most twice that of cuBLAS's float32-accumulated product (the peer, with the
+    same addition into the earlier contents), plus 1e-7; an expert without rows keeps exactly
+    its earlier contents (adding) or is zeros (overwrite). Both forms: the fp32 SIMT kernel
+    (float32 inputs, D % 8 != 0) sums each element's rows in sequence, so its error runs
+    past the peer's (D = 79, 3298 bf16 rows: 5.1e-6 against 4.5e-7) within the √n bound; the
+    tensor cores round their accumulation their own way, so a long segment's error grows
+    with its rows (8756 rows: 1.8e-5)."""
+    rng = random.Random(4940)
+    for i in range(24):
+        dtype = rng.choice((torch.float32, torch.float16, torch.bfloat16))
+        d = rng.choice((rng.randint(3, 300), 8 * rng.randint(1, 375)))
+        t = rng.randint(1, 6000)
+        gen = torch.Generator().manual_seed(500 + i)
+        x = (torch.randn(t, d, generator=gen) * 2.0).to(dtype).cuda()
+        xd = x.double()  # the references in float64 on the GPU
+        what = f"draw {i}: T={t} D={d} {dtype}"
+        start = torch.randn(d, d, generator=gen).abs().cuda()
+        h = start.clone()
+        forge.hessian_update(h, x, 0.5)
+        want = start.double() + 0.5 * xd.T @ xd
+        mag = 0.5 * (xd.abs().T @ xd.abs())
+        peer = start + 0.5 * product_f32(x.T, x)
+        got, limit = scaled_err(h, want, mag), max(1e-6 * t**0.5, 2 * scaled_err(peer, want, mag)) + 1e-7
+        assert got <= limit, (what, got, limit)
+        e = rng.randint(1, 40)
+        pairs = rng.randint(0, 2 * t)
+        idx = torch.randint(0, t, (pairs,), generator=gen, dtype=torch.int32).cuda()
+        cuts = sorted(rng.randint(0, pairs) for _ in range(e - 1))
+        bounds = [0, *cuts, pairs]
+        offsets = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+        overwrite = rng.random() < 0.5
+        hs = torch.full((e, d, d), 3.0, device="cuda")
+        forge.hessian_update_segmented(hs, x, idx, offsets, 1.0, overwrite=overwrite)
+        base = 0.0 if overwrite else 3.0
+        for j in range(e):
+            rows = idx[bounds[j] : bounds[j + 1]].long()
+            xe = xd[rows]
+            want = xe.T @ xe + base
+            mag = xe.abs().T @ xe.abs()
+            peer = product_f32(x[rows].T, x[rows]) + base
+            limit = max(1e-6 * rows.numel() ** 0.5, 2 * scaled_err(peer, want, mag)) + 1e-7
+            got = scaled_err(hs[j], want, mag)
+            assert got <= limit, (
+                what,
+                f"expert {j} of {e}, {rows.numel()} rows, overwrite={overwrite}",
+                got,
+                limit,
+            )
+
+
+def test_gptq_random_shapes():
+    """gptq_solve_batched on the GPU against the CPU on 12 random problems (1 to 4 matrices,
+    K = C up to 1152 in whole groups, N from 8 to 600, G 32 to 256, 2 to 8 bits, activation
+    order or not): the codes agree on at least 99 % of entries and each matrix's layer error
+    ``tr(ΔWᵀ H ΔW)`` is within 2 % of the CPU's (GPTQ propagates each rounding, so one flipped
+    code moves later ones; the error it minimises is what must match)."""
+    rng = random.Random(4950)
+    for i in range(12):
+        e = rng.randint(1, 4)
+        g = rng.choice((32, 64, 128, 128, 256))
+        k = g * rng.randint(1, 1152 // g)
+        n = 8 * rng.randint(1, 75)
+        bits, act_order = rng.choice((2, 3, 4, 4, 8)), rng.random() < 0.5
+        gen = torch.Generator().manual_seed(600 + i)
+        hs, ws = [], []
+        for _ in range(e):
+            x = torch.randn(2 * k, 16, generator=gen) @ torch.randn(16, k, generator=gen)
+            x += 0.3 * torch.randn(2 * k, k, generator=gen)
+            hs.append(2 * x.T @ x / x.shape[0])
+            ws.append(torch.randn(n, k, generator=gen) * 0.1)
+        h, w = torch.stack(hs), torch.stack(ws)
+        qm = torch.stack([forge.build_quant_grid(wi, g, bits, False, "range")[0] for wi in ws])
+        u, perm, _, _, _ = forge.prepare_hessian_batched(h, 0.01, act_order)
+        wt = w.transpose(1, 2).contiguous()
+        codes_cpu, deq_cpu = forge.gptq_solve_batched(wt, u, qm, bits, g, 128, perm)
+        codes_gpu, deq_gpu = forge.gptq_solve_batched(
+            wt.cuda(), u.cuda(), qm.cuda(), bits, g, 128, None if perm is None else perm.cuda()
+        )
+        what = f"draw {i}: E={e} K={k} N={n} G={g} bits={bits} act_order={act_order}"
+        agree = float((codes_gpu.cpu() == codes_cpu).float().mean())
+        assert agree >= 0.99, (what, agree)
+        for j in range(e):
+            errs = []
+            for deq in (deq_cpu[j], deq_gpu[j].cpu()):
+                dw = (w[j].T - deq).double()
+                errs.append(float(torch.trace(dw.T @ h[j].double() @ dw)))
+            assert abs(errs[1] - errs[0]) <= 0.02 * errs[0], (what, j, errs)
+
+
+def test_prepare_hessian_random_shapes():
+    """prepare_hessian_batched on the GPU on 16 random batches (C from 1 to 2600, odd and
+    prime orders included, whose triangular inverse is one leaf or uneven levels; 1 to 9
+    matrices; dead inputs; activation order or not; rank-deficient matrices, which only the
+    damping makes definite) against float64: ``U`` upper with ``UᵀU = (Pᵀ(H' + damp I)P)⁻¹`` (``H'``: dead
+    inputs' diagonal set to 1, ``P`` the processing order), ``damp = 1 % of mean diag(H') ·
+    10^retries``, within 1e-3 in Frobenius norm; damping, retries, dead counts and the order
+    equal the CPU's."""
+    rng = random.Random(4960)
+    for i in range(16):
+        c = rng.choice(
+            (1, 2, 3, rng.randint(4, 400), rng.choice((127, 257, 509, 1021)), 8 * rng.randint(1, 325))
+        )
+        e = rng.randint(1, 9)
+        act_order = rng.random() < 0.5
+        gen = torch.Generator().manual_seed(700 + i)
+        hs = []
+        for j in range(e):
+            t = c // 2 if (j == 0 and c > 8 and i % 3 == 0) else 2 * c + 8  # rank-deficient
+            x = torch.randn(t, c, generator=gen, dtype=torch.float64) * (
+                1 + 3 * torch.rand(c, generator=gen, dtype=torch.float64)
+            )
+            dead = torch.rand(c, generator=gen) < 0.02
+            x[:, dead] = 0
+            hs.append((x.T @ x / t).float())
+        h = torch.stack(hs)
+        what = f"draw {i}: E={e} C={c} act_order={act_order}"
+        u_cpu, perm_cpu, damp_cpu, retries_cpu, dead_cpu = forge.prepare_hessian_batched(h, 0.01, act_order)
+        u, perm, damp, retries, dead = forge.prepare_hessian_batched(h.cuda(), 0.01, act_order)
+        assert retries == retries_cpu and dead == dead_cpu, what
+        assert damp == pytest.approx(damp_cpu, rel=1e-5), what
+        if act_order:
+            assert torch.equal(perm.cpu(), perm_cpu), what
+        for j in range(e):
+            hd = h[j].double()
+            diag = hd.diagonal().clone()
+            diag[diag == 0] = 1.0
+            hd.diagonal().copy_(diag)
+            damp_ref = 0.01 * float(diag.mean()) * 10 ** retries[j]
+            assert damp[j] == pytest.approx(damp_ref, rel=1e-5), (what, j)
+            hd += damp[j] * torch.eye(c, dtype=torch.float64)
+            if act_order:
+                p = perm[j].cpu()
+                hd = hd[p][:, p]
+            u_ref = torch.linalg.cholesky(torch.linalg.inv(hd), upper=True)
+            err = float(torch.linalg.norm(u[j].cpu().double() - u_ref) / torch.linalg.norm(u_ref))
+            assert err < 1e-3, (what, j, err)
+
+
+def test_dequantize_awq_dense_random_shapes():
+    """forge.dequantize_awq_dense on 30 random AWQ tensors (N % 8, G from 32 to 256, every
+    output dtype): float32 exactly ``(q − z)·s``, float16 / bfloat16 exactly the weights the
+    kernels multiply (the test's ``kernel_weight``)."""
+    rng = random.Random(4970)
+    for i in range(30):
+        g = rng.choice((32, 64, 96, 128, 256))
+        k, n = g * rng.randint(1, 4096 // g), 8 * rng.randint(1, 1024)
+        dtype = rng.choice((torch.float32, torch.float16, torch.bfloat16))
+        qw, qz, sc = random_awq(k, n, g, gen=torch.Generator().manual_seed(800 + i))
+        got = forge.dequantize_awq_dense(qw.cuda(), qz.cuda(), sc.cuda(), g, dtype)
+        assert torch.equal(got.cpu(), kernel_weight(qw, qz, sc, g, dtype)), (
+            f"draw {i}: K={k} N={n} G={g} {dtype}"
+        )
