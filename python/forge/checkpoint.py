@@ -151,6 +151,13 @@ def load_dequantized_state_dict(
     return out
 
 
+RENAMES = (
+    (re.compile(r"\.block_sparse_moe\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+)
+"""Checkpoint name -> model name, tried in order when a name is not in the model as it is:
+checkpoints keep Mixtral's ``block_sparse_moe`` (vLLM's names), transformers 5 calls it ``mlp``."""
+
 _EXPERT_KEY = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
 
@@ -189,6 +196,26 @@ def _fuse_experts(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) 
     return out
 
 
+def _renamed(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each name the model does not hold renamed by the first of
+    :data:`RENAMES` that gives one it does (a per-expert weight counts as held when the model
+    has its fused experts module); other names unchanged."""
+
+    def held(name: str) -> bool:
+        m = _EXPERT_KEY.match(name)
+        return name in own or (m is not None and f"{m.group(1)}.experts.gate_up_proj" in own)
+
+    out = {}
+    for name, tensor in state.items():
+        if not held(name):
+            for pattern, repl in RENAMES:
+                if held(renamed := pattern.sub(repl, name)):
+                    name = renamed
+                    break
+        out[name] = tensor
+    return out
+
+
 def load_dequantized_model(awq_dir: str | os.PathLike, dtype: torch.dtype = torch.float16):
     """The transformers ``AutoModelForCausalLM`` of an AWQ folder, with dequantised weights.
 
@@ -224,7 +251,7 @@ def load_dequantized_model(awq_dir: str | os.PathLike, dtype: torch.dtype = torc
             param.data = param.data.to(dtype)
 
     own = model.state_dict()
-    state = _fuse_experts(state, own)
+    state = _fuse_experts(_renamed(state, own), own)
     # MTP layers (index >= num_hidden_layers) are not part of the causal LM (vLLM skips them too).
     n_layers = getattr(
         config.get_text_config() if hasattr(config, "get_text_config") else config, "num_hidden_layers", None

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint import RENAMES
 from .errors import CheckpointError
 from .runtime import PACK, AwqExperts, AwqLinear, prepare_decode
 
@@ -33,11 +34,6 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
-# checkpoint name -> model name, tried when a name is not found in the model as it is
-_RENAMES = (
-    (re.compile(r"\.block_sparse_moe\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),
-    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
-)
 _EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -289,7 +285,7 @@ _MARKERS = {
 def _model_name(name: str, known: set[str]) -> str | None:
     if name in known:
         return name
-    for pattern, repl in _RENAMES:
+    for pattern, repl in RENAMES:
         renamed = pattern.sub(repl, name)
         if renamed in known:
             return renamed
