@@ -94,41 +94,36 @@ def llama_config():
     )
 
 
+# What the added families' configs share: two small layers, one KV head.
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+)
+
+
 def qwen2_moe_config():
     """Qwen2-MoE: a shared expert beside the routed ones, weighted by its own sigmoid gate."""
     from transformers import Qwen2MoeConfig
 
     return Qwen2MoeConfig(
-        vocab_size=256,
-        hidden_size=64,
+        **SMALL,
         intermediate_size=128,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,
         num_experts=8,
         num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         mlp_only_layers=[0],
-        max_position_embeddings=128,
     )
 
 
 def olmoe_config():
     from transformers import OlmoeConfig
 
-    return OlmoeConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        eos_token_id=2,
-    )
+    return OlmoeConfig(**SMALL, intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=2)
 
 
 def deepseek_v2_config():
@@ -136,17 +131,13 @@ def deepseek_v2_config():
     from transformers import DeepseekV2Config
 
     return DeepseekV2Config(
-        vocab_size=256,
-        hidden_size=64,
+        **{**SMALL, "num_key_value_heads": 2},
         intermediate_size=128,
         moe_intermediate_size=32,
         n_routed_experts=8,
         n_shared_experts=1,
         num_experts_per_tok=2,
-        num_hidden_layers=2,
         first_k_dense_replace=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
         q_lora_rank=None,
         kv_lora_rank=32,
         qk_rope_head_dim=16,
@@ -155,7 +146,6 @@ def deepseek_v2_config():
         n_group=1,
         topk_group=1,
         topk_method="greedy",
-        max_position_embeddings=128,
     )
 
 
@@ -163,16 +153,7 @@ def dense_config(kind: str):
     """Qwen2 or Mistral: dense models the generic family handles."""
     from transformers import MistralConfig, Qwen2Config
 
-    cls = {"qwen2": Qwen2Config, "mistral": MistralConfig}[kind]
-    return cls(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
+    return {"qwen2": Qwen2Config, "mistral": MistralConfig}[kind](**SMALL, intermediate_size=128)
 
 
 CONFIGS = {
