@@ -158,6 +158,18 @@ RENAMES = (
 """Checkpoint name -> model name, tried in order when a name is not in the model as it is:
 checkpoints keep Mixtral's ``block_sparse_moe`` (vLLM's names), transformers 5 calls it ``mlp``."""
 
+
+def model_name(name: str, held) -> str | None:
+    """The model's name for checkpoint name ``name``: itself when ``held(name)``, else the first
+    of :data:`RENAMES` that gives a held one, else None."""
+    if held(name):
+        return name
+    for pattern, repl in RENAMES:
+        if held(renamed := pattern.sub(repl, name)):
+            return renamed
+    return None
+
+
 _EXPERT_KEY = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
 
@@ -205,15 +217,7 @@ def _renamed(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> di
         m = _EXPERT_KEY.match(name)
         return name in own or (m is not None and f"{m.group(1)}.experts.gate_up_proj" in own)
 
-    out = {}
-    for name, tensor in state.items():
-        if not held(name):
-            for pattern, repl in RENAMES:
-                if held(renamed := pattern.sub(repl, name)):
-                    name = renamed
-                    break
-        out[name] = tensor
-    return out
+    return {model_name(name, held) or name: tensor for name, tensor in state.items()}
 
 
 def load_dequantized_model(awq_dir: str | os.PathLike, dtype: torch.dtype = torch.float16):

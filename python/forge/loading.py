@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import RENAMES
+from .checkpoint import model_name
 from .errors import CheckpointError
 from .runtime import PACK, AwqExperts, AwqLinear, prepare_decode
 
@@ -282,16 +282,6 @@ _MARKERS = {
 # --------------------------------------------------------------------------- model surgery
 
 
-def _model_name(name: str, known: set[str]) -> str | None:
-    if name in known:
-        return name
-    for pattern, repl in RENAMES:
-        renamed = pattern.sub(repl, name)
-        if renamed in known:
-            return renamed
-    return None
-
-
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, path: Path) -> None:
     """Assigns ``value`` to the parameter or buffer ``name`` of a meta-built model, cast to its dtype."""
     owner, _, attr = name.rpartition(".")
@@ -488,7 +478,7 @@ def _assemble(
     for base, awq in sorted(quantized.items()):
         if _mtp_layer(base, num_layers):
             continue
-        target = _model_name(base, set(modules))
+        target = model_name(base, modules.__contains__)
         if target is not None and isinstance(modules[target], nn.Linear):
             lin = modules[target]
             bias = _linear_bias(shards, base)
@@ -524,7 +514,7 @@ def _assemble(
     for name in sorted(shards.file_of):
         if name in used or _mtp_layer(name, num_layers):
             continue
-        target = _model_name(name, state_names)
+        target = model_name(name, state_names.__contains__)
         if target is not None:
             _set_tensor(model, target, get(name), shards.path(name))
             continue
@@ -539,7 +529,7 @@ def _assemble(
 
     modules = dict(model.named_modules())
     for ckpt_name, members in sorted(experts.items()):
-        target = _model_name(ckpt_name, set(modules))
+        target = model_name(ckpt_name, modules.__contains__)
         if target is None:
             raise CheckpointError(
                 f"{root}: experts {ckpt_name!r} have no experts module in {type(model).__name__}"

@@ -659,11 +659,15 @@ def awq_matmul(
         x2 = x2.to(torch.float32)
     elif x2.dtype not in (torch.float16, torch.bfloat16):
         x2 = x2.to(torch.float16)
-    if x.is_cuda and isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[-1] % 32:
-        # Out features the fused kernels do not take (AWQ allows N % 8 == 0, they need
-        # N % 32 == 0): the runtime's dense route, which checks the tensors itself.
-        from .runtime import _cuda_gemm
+    from .runtime import _cuda_gemm, fused_takes
 
+    if (
+        x.is_cuda
+        and isinstance(scales, torch.Tensor)
+        and scales.dim() == 2
+        and not fused_takes(scales.shape[-1])
+    ):
+        # the runtime's dense route (it checks the tensors itself)
         y = _cuda_gemm(x2, qweight, qzeros, scales, group_size)
     else:
         y = _native.awq_matmul(x2.contiguous(), qweight, qzeros, scales, group_size)

@@ -141,9 +141,17 @@ DENSE_ROUTE = True
 #: ``bench_cuda.py --only dense --shapes ...``) it ran 1.05-1.25x at 4096 rows on every shape
 #: and 0.92-1.13x at 2048.
 DENSE_MIN_ROWS = 4096
+#: Out features of the fused kernels are a multiple of this (AWQ allows any multiple of
+#: :data:`PACK`): other layers take the dense route at every M (:func:`fused_takes`).
+FUSED_N_MULTIPLE = _native.W4A16_N_MULTIPLE
 #: Largest transient dense weight, in bytes, the dense route makes; larger layers keep the
 #: fused kernel (a DeepSeek-V3 dense MLP projection, 7168 x 18432, takes 264 MB in bf16).
 DENSE_MAX_BYTES = 1 << 30
+
+
+def fused_takes(out_features: int) -> bool:
+    """Whether the fused W4A16 kernels take ``out_features`` (:data:`FUSED_N_MULTIPLE`)."""
+    return out_features % FUSED_N_MULTIPLE == 0
 
 
 def _dense_launch(
@@ -175,9 +183,8 @@ def _cuda_gemm(
     dtypes through fp16). Output and scratch come from torch's allocator on the current
     stream, the kernel is launched on that stream, and nothing waits for the GPU. Calls of
     many rows take the dense route (:data:`DENSE_ROUTE`), and so does every call on out
-    features the fused kernels do not take (AWQ allows ``N % 8 == 0``, the kernels need
-    ``N % 32 == 0``): the weights dequantized as the kernels take them, then one cuBLAS
-    product."""
+    features the fused kernels do not take (:func:`fused_takes`): the weights dequantized as
+    the kernels take them, then one cuBLAS product."""
     dev = x.device
     _, k, n = _check_device_awq(qweight, qzeros, scales, group_size, dev, stacked=False)
     if x.shape[-1] != k:
@@ -186,8 +193,7 @@ def _cuda_gemm(
     xa, y, m, index = _launch_io(x, k, n)
     if m == 0:
         return y.to(x.dtype)
-    odd_n = n % 32 != 0
-    if odd_n or (
+    if not fused_takes(n) or (
         DENSE_ROUTE
         and m >= DENSE_MIN_ROWS
         and k * n * xa.element_size() <= DENSE_MAX_BYTES

@@ -680,7 +680,7 @@ enum GemmKernel {
     Gemv3 { rows: usize },
     /// `w4a16_awq_<dt>_m<mt>`: mma.sync tiles of `mt` m16 tiles per block.
     Tiled { mt: usize },
-    /// `w4a16_wg_<dt>_t<tokens>`: Hopper wgmma, `tokens` (16, 32, 64 or 128) a block.
+    /// `w4a16_wg_<dt>_t<tokens>`: Hopper wgmma, `tokens` (one of [`WG_TILES`]) a block.
     Wgmma { tokens: usize },
 }
 
@@ -1326,11 +1326,15 @@ fn check_whole_groups(k: usize, g: usize) -> Result<()> {
     Ok(())
 }
 
+/// Out features of the fused W4A16 kernels are a multiple of this (AWQ allows any multiple of
+/// 8: `forge.runtime` takes other layers through the dense dequantization and cuBLAS).
+pub const W4A16_N_MULTIPLE: usize = 32;
+
 /// The weight shape both W4A16 launches need: `k` a positive multiple of the group size,
-/// `n` a positive multiple of 32.
+/// `n` a positive multiple of [`W4A16_N_MULTIPLE`].
 fn check_w4a16_shape(n: usize, k: usize, g: usize) -> Result<()> {
     check_whole_groups(k, g)?;
-    if n == 0 || !n.is_multiple_of(32) {
+    if n == 0 || !n.is_multiple_of(W4A16_N_MULTIPLE) {
         return Err(CudaError::arg("n", "a positive multiple of 32", n));
     }
     Ok(())
@@ -2016,11 +2020,8 @@ fn check_grouped_rows(rows: usize) -> Result<bool> {
     if GROUPED_ROWS.contains(&rows) {
         return Ok(false);
     }
-    Err(CudaError::arg(
-        "rows",
-        "1, 2, 4, 16, 32, 64, 128 or 256",
-        rows,
-    ))
+    let all = [&GROUPED_ROWS[..], &GROUPED_TC_ROWS[..]].concat();
+    Err(CudaError::arg("rows", format!("one of {all:?}"), rows))
 }
 
 /// The kernel of a grouped launch.

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("TILED_MAX_M", forge_cuda::ops::TILED_MAX_M)?;
+    m.add("W4A16_N_MULTIPLE", forge_cuda::ops::W4A16_N_MULTIPLE)?;
     m.add("MOE_ROUTE_MAX_PAIRS", forge_cuda::ops::MOE_ROUTE_MAX_PAIRS)?;
     m.add(
         "MOE_ROUTE_MAX_EXPERTS",
