@@ -45,56 +45,7 @@ def deepseek_config(num_layers: int = 3):
     )
 
 
-def qwen3_moe_config():
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        mlp_only_layers=[0],
-        max_position_embeddings=128,
-    )
-
-
-def mixtral_config():
-    from transformers import MixtralConfig
-
-    return MixtralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=64,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
-
-
-def llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
-
-
-# What the added families' configs share: two small layers, one KV head.
+# What the small configs share: two small layers, one KV head.
 SMALL = dict(
     vocab_size=256,
     hidden_size=64,
@@ -103,6 +54,30 @@ SMALL = dict(
     num_key_value_heads=1,
     max_position_embeddings=128,
 )
+
+
+def qwen3_moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **SMALL,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=32,
+        mlp_only_layers=[0],
+    )
+
+
+def mixtral_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**SMALL, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+
+
+def llama_config():
+    return dense_config("llama")
 
 
 def qwen2_moe_config():
@@ -150,10 +125,11 @@ def deepseek_v2_config():
 
 
 def dense_config(kind: str):
-    """Qwen2 or Mistral: dense models the generic family handles."""
-    from transformers import MistralConfig, Qwen2Config
+    """Llama, Qwen2 or Mistral: dense models (the last two through the generic family)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    return {"qwen2": Qwen2Config, "mistral": MistralConfig}[kind](**SMALL, intermediate_size=128)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[kind]
+    return cls(**SMALL, intermediate_size=128)
 
 
 CONFIGS = {
