@@ -102,7 +102,7 @@ def check_within_bound(x, y, qweight, qzeros, scales, g, what: str, slack: float
 def slack(m: int, n: int) -> float:
     """The bound's factor: 2 where the product is cuBLAS's (the dense route: many rows, or out
     features the fused kernels do not take), 1 for forge's kernels."""
-    return 2.0 if n % 32 or m >= runtime.DENSE_MIN_ROWS else 1.0
+    return 2.0 if not runtime.fused_takes(n) or m >= runtime.DENSE_MIN_ROWS else 1.0
 
 
 def awq_case(m: int, k: int, n: int, g: int, act: torch.dtype, seed: int):

@@ -6,6 +6,7 @@ check forge against code that shares none of its logic.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -76,10 +77,6 @@ def mixtral_config():
     return MixtralConfig(**SMALL, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
 
 
-def llama_config():
-    return dense_config("llama")
-
-
 def qwen2_moe_config():
     """Qwen2-MoE: a shared expert beside the routed ones, weighted by its own sigmoid gate."""
     from transformers import Qwen2MoeConfig
@@ -136,12 +133,12 @@ CONFIGS = {
     "deepseek": deepseek_config,
     "qwen3_moe": qwen3_moe_config,
     "mixtral": mixtral_config,
-    "llama": llama_config,
+    "llama": functools.partial(dense_config, "llama"),
     "qwen2_moe": qwen2_moe_config,
     "olmoe": olmoe_config,
     "deepseek_v2": deepseek_v2_config,
-    "qwen2": lambda: dense_config("qwen2"),
-    "mistral": lambda: dense_config("mistral"),
+    "qwen2": functools.partial(dense_config, "qwen2"),
+    "mistral": functools.partial(dense_config, "mistral"),
 }
 
 

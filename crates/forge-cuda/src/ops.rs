@@ -1335,7 +1335,11 @@ pub const W4A16_N_MULTIPLE: usize = 32;
 fn check_w4a16_shape(n: usize, k: usize, g: usize) -> Result<()> {
     check_whole_groups(k, g)?;
     if n == 0 || !n.is_multiple_of(W4A16_N_MULTIPLE) {
-        return Err(CudaError::arg("n", "a positive multiple of 32", n));
+        return Err(CudaError::arg(
+            "n",
+            format!("a positive multiple of {W4A16_N_MULTIPLE}"),
+            n,
+        ));
     }
     Ok(())
 }
