@@ -477,7 +477,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     // Launched with programmatic serialization (ops.rs): the set-up above overlaps the previous
     // kernel's tail; every load and store waits for it. (L2 prefetches of the block's weights
     // before this wait were slower: the whole slice by up to 18 % on 7168x18432, where the
-    // prefetched lines outrun the L2; the first two stages no faster than none. README.)
+    // prefetched lines outrun the L2; the first two stages no faster than none. LOG.md.)
     if constexpr (!GROUPED) pdl_wait();
 
     float acc[TN / 2];
@@ -562,7 +562,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
             // per-group fence, commit and wait exposed, and on an H200 M = 24 / 32 ran 2-5 %
             // faster on four DeepSeek-V3 shapes, outputs identical; pairs lost 0-2 % at 16 tokens
             // and 2-6 % at 64 and 128, and a whole stage a group (waited at once) lost everywhere
-            // (README, "One fence a pair of steps").
+            // (LOG.md, session 39, "one fence a pair of steps").
             constexpr int SPG = TN == 32 ? 2 : 1;
             if (kk % SPG == SPG - 1) {
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -672,7 +672,7 @@ __device__ __forceinline__ void w4a16_wg_impl(const u16* __restrict__ x, const u
     ENTRY(bf16, true, 16)
 // The 256-token tile (m64n256 MMAs, 128 accumulators a thread: one block an SM): ops.rs takes
 // it past M = 128 where its cost model prices it below the 128-token tile, as it dequantizes
-// each weight stage once for twice the MMAs (README, "A 256-token tile"); the grouped form takes
+// each weight stage once for twice the MMAs (LOG.md, "A 256-token tile"); the grouped form takes
 // 256-row segments only for long K and many rows an expert (forge.runtime), since its K is not
 // split and a lone block an SM has no second block to hide its prologue and epilogue behind.
 FORGE_GEMM_WG_TILES(FORGE_GEMM_WG_ENTRY)
@@ -1003,7 +1003,7 @@ __device__ __forceinline__ void gemv3_core(const Gv3Rows<MR>& rows, int m, bool 
             }
             // 8 rows of weights in flight, loaded past L1 (read once; L1 keeps the x rows):
             // reduced DeepSeek-V3 MoE decode on an H100, batch 16 4646-4650 -> 4721-4723 tok/s,
-            // batch 1 512-514 -> 516-517 (README, "Weights past L1").
+            // batch 1 512-514 -> 516-517 (LOG.md, "Weights past L1").
             u32 w[8][WPL];
             const u32* p = qw + (i64)k0 * NW64 + c;
 #pragma unroll
@@ -1353,7 +1353,7 @@ extern "C" __global__ void w4a16_tile_repack(const u32* qw, u32* out, int K, int
 // cuBLAS). A thread a qweight word: 8 outputs of one k, its scales one 16-byte load (scales
 // 16-byte aligned, N % 8 == 0), its outputs one or two 16-byte stores. Grid (word columns /
 // 256, min(K, 65535)), k strided by gridDim.y. (Eight rows a thread, their loads issued
-// before any use, was slower on an H200: 7168x18432 to bf16 118 -> 146 µs; README, "Session
+// before any use, was slower on an H200: 7168x18432 to bf16 118 -> 146 µs; LOG.md, "Session
 // 44".)
 template <typename OUT, int KIND>  // KIND: 0 f32, 1 f16, 2 bf16
 __device__ __forceinline__ void awq_dequant_impl(const u32* __restrict__ qw, const u32* __restrict__ qz,
@@ -1430,7 +1430,7 @@ template <bool BF, int NT> struct TiledWarp {
     float s0 = 0.0f, s1 = 0.0f;
     // One accumulator set a token tile. (Two for one tile, even and odd steps, halved the
     // MMAs' dependency chain but took 85 registers against 64 with x read at use, and with
-    // them the fourth block of 8 warps an SM; README, "The tiled GEMV's registers".)
+    // them the fourth block of 8 warps an SM; LOG.md, "The tiled GEMV's registers".)
     float acc[NT][4] = {};
     float out[NT][4] = {};
 
@@ -1499,15 +1499,15 @@ template <bool BF, int NT> struct TiledWarp {
 // GEMV on the tile layout. Each warp keeps RW chunks of weights in flight in registers (a
 // slot refilled right after its use) and loads a chunk's x just before using it: x is small
 // and shared by every block, so those loads hit L1, and holding them in flight as well took
-// the registers of a fourth block an SM (README, "The tiled GEMV's registers"). The weights
+// the registers of a fourth block an SM (LOG.md, "The tiled GEMV's registers"). The weights
 // are loaded without L1 allocation (read once; L1 holds x, which the co-resident blocks
-// share): 7168x18432 at M = 1 31.1 -> 29.1 µs, M = 16 39.2 -> 37.4 on an H100 (README,
+// share): 7168x18432 at M = 1 31.1 -> 29.1 µs, M = 16 39.2 -> 37.4 on an H100 (LOG.md,
 // "Weights past L1"). The main loop walks running pointers and, when a group is whole rounds
 // (G = 128, 256, ...), folds each group after its last round without counting chunks: a round
 // of 2 chunks 210 -> 138 instructions (M <= 8), on an H200 7168x18432 at M = 1 / 16 24.8 -> 21.8
 // / 34.0 -> 31.4 µs, six DeepSeek-V3 shapes 12-23 % (M <= 8) and 8-14 % (M = 16) less time
-// (README, "The tiled GEMV's main loop, strength-reduced"); counting the rounds of a group, not
-// only G = 128's one, left G = 128 as it was and made G = 256 4 % faster (README, session 37).
+// (LOG.md, "The tiled GEMV's main loop, strength-reduced"); counting the rounds of a group, not
+// only G = 128's one, left G = 128 as it was and made G = 256 4 % faster (LOG.md, session 37).
 template <bool BF, int RW, int NT>
 __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x, const uint4* __restrict__ qt,
                                                       const u32* __restrict__ qz, const u16* __restrict__ sc,
@@ -1533,7 +1533,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     st.nib = awq_nibble(g);
     st.left = gend - gbeg;
     // Every group's zero points and scales on their way to L2 at once: the ring below fetches
-    // them one group ahead, a DRAM trip a group when the weights are cold (README, "Metadata
+    // them one group ahead, a DRAM trip a group when the weights are cold (LOG.md, "Metadata
     // prefetch").
     for (int i = lane; i < st.left; i += 32) {
         prefetch_l2(st.qz + (i64)i * st.NW);
@@ -1624,7 +1624,7 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
     // for 32). Each kernel's sum is written in the one form found to keep its registers: NVRTC
     // 13.0 gave the M > 8 kernel 83 registers, not 82, whenever its array was reached through a
     // pointer or an accessor, and then ran 7168x18432 at M = 16 in 37.2 against 34.0 µs; the
-    // M <= 8 kernel's flat indexing runs it 1-3 % faster than 3-D (README, "Up to 32 warps a
+    // M <= 8 kernel's flat indexing runs it 1-3 % faster than 3-D (LOG.md, "Up to 32 warps a
     // tile").
     if constexpr (NT == 2) {
         __shared__ float red16[TILED16_MAX_WARPS][16][8 * NT];
@@ -1669,12 +1669,12 @@ __device__ __forceinline__ void w4a16_gemv_tiled_impl(const u16* __restrict__ x,
 // (w4a16_gemv_tiled16_*): two token tiles share each A fragment, 2 chunks of weights in flight
 // (82 registers from NVRTC 13.0, 76 since the main loop's running pointers, 78 with rounds
 // counted a group; with 3 chunks of weights and x in flight, 118). H200, M = 1 / 16: 7168x18432
-// 27.3 -> 26.9 / 37.2 -> 34.1 µs, the expert shapes -1 to +3 / 8-9 % faster (README, "The
+// 27.3 -> 26.9 / 37.2 -> 34.1 µs, the expert shapes -1 to +3 / 8-9 % faster (LOG.md, "The
 // tiled GEMV's registers"). Not measured on an H100, where 2 chunks of x and weights at M = 16
 // (100 registers) were slower than 3 (53 against 45.5 µs on 7168x18432).
 // Launched plainly: programmatic launch with L2 prefetches of the weights before the wait was
 // faster back to back (cold 6.9 -> 5.3 µs) but slower after a foreign kernel, and whole-model
-// decode 1 % slower (README, "Programmatic launch").
+// decode 1 % slower (LOG.md, "Programmatic launch").
 #define FORGE_GEMV_TILED_ENTRY(SUF, BF)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * TILED_MAX_WARPS) w4a16_gemv_tiled_##SUF(                  \
         const u16* x, const uint4* qt, const u32* qz, const u16* sc, u16* y, int M, int N, int K, int G) {       \

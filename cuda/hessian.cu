@@ -579,7 +579,7 @@ __device__ __forceinline__ void hessian_wg_impl(const u16* x, float* H, const in
     // stays exactly symmetric. Quarters with nothing to add (past D, or wholly on the other side
     // of the diagonal) are skipped. Staged whole and reduced in two passes, the tile then its
     // mirror, each pass waiting for its reads, 64 experts of D = 7168 at 32768×8 routed rows took
-    // 27.9-28.6 ms on an H200, pipelined 26.9-27.9 (131072×8: 97.9-99.0 → 94.9-97.7; README,
+    // 27.9-28.6 ms on an H200, pipelined 26.9-27.9 (131072×8: 97.9-99.0 → 94.9-97.7; LOG.md,
     // session 38; with the pairs' formula shared with each_pair, 168 registers instead of 166:
     // adding the same within the spread, fresh products 1 % slower). The producer is done: the
     // named barrier 1 counts the two consumers' threads.

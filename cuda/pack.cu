@@ -117,7 +117,7 @@ __device__ __forceinline__ void row_grids_and_meta(const PackTile& t, const u32*
 // 8w..8w+7: rows 2m and 2m+1 make one clamped u16x2 pair an input, which shifted by 4m lands on
 // nibbles m and m + 4 of that input's AWQ word (columns 2m, 2m+1): 8 AWQ words a lane, stored
 // by the warp as 128 contiguous bytes an input row. No run words, no nibble transpose, one
-// barrier. Against the row kernel it replaced (H100, kernel alone, bit-identical; README "Fused quantize +
+// barrier. Against the row kernel it replaced (H100, kernel alone, bit-identical; LOG.md "Fused quantize +
 // pack: squares"): FP8 with block scales 7168x2048 11.2 -> 10.1 µs, 2048x7168 10.5 -> 9.8,
 // 18432x7168 89.9 -> 87.6; bf16 16.0 -> 14.2, 14.9 -> 12.3, 123.8 -> 123.9; f32 (session
 // 24, 32 registers) 32.0 -> 28.8, 32.0 -> 27.2, 239.7 -> 207.8. (Session 15's

@@ -415,7 +415,7 @@ GROUPED_TC_MIN_SHARE = 2
 #: projections), of which the layer must reach both numbers of one; else 128 rows at most. Its
 #: K is not split, so a lone block an SM pays off only for enough rows and long enough K, and
 #: fewer rows need longer K. On an H200, 256 against 128 rows over 63 measured rows of 15 layer
-#: shapes, uniform and skewed routing (crates/forge-cuda/README.md, "A 256-token tile" and
+#: shapes, uniform and skewed routing (crates/forge-cuda/LOG.md, "A 256-token tile" and
 #: "Session 48"): these pairs take every gain of 3 % or more and no loss. Past 512 pairs an
 #: expert, DBRX-like experts (mean in features 8448) run 1.14-1.19x and Qwen3-235B-like ones
 #: (2816) 1.02-1.08x; ERNIE-4.5-21B-like ones (2048) run 0.96 / 1.04 / 1.06x at 512 / 1024 /

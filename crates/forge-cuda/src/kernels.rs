@@ -256,7 +256,7 @@ pub fn generated_header() -> String {
     // POW2 is read once a group, by the grid decode the FP8 pack waits for at its barrier:
     // in global memory that dependent load queued behind the block's tile copies in L1TEX
     // (H200, 18432x7168 FP8 with block scales 63.2 -> 60.4 µs kernel alone in constant
-    // memory; README "Constant POW2, block scale first"). E4M3 stays in global memory: it is
+    // memory; LOG.md "Constant POW2, block scale first"). E4M3 stays in global memory: it is
     // read per element, with up to 32 distinct indices a warp.
     table(
         &mut s,

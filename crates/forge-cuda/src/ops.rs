@@ -691,7 +691,7 @@ impl GemmKernel {
     }
     /// Launched programmatically (Hopper): the wgmma kernel's set-up overlaps the previous
     /// kernel's tail; it calls `pdl_wait` before it touches memory. (The decode GEMV measured
-    /// slower so after a torch kernel: crates/forge-cuda/README.md, "Programmatic launch".)
+    /// slower so after a torch kernel: crates/forge-cuda/LOG.md, "Programmatic launch".)
     fn programmatic(self) -> bool {
         matches!(self, GemmKernel::Wgmma { .. })
     }
@@ -762,7 +762,7 @@ fn gemv3_splits(base: usize, slots: usize, k: usize) -> (usize, usize) {
 }
 
 /// Smallest M the Hopper wgmma kernel takes (smaller M runs the SIMT GEMV). At M = 5 … 16 its
-/// 16-token tile beat the tensor-core GEMV on the DeepSeek-V3 shapes on an H100 (README,
+/// 16-token tile beat the tensor-core GEMV on the DeepSeek-V3 shapes on an H100 (LOG.md,
 /// "A 16-token tile"): M = 16 7.5 against 12.7 µs at 2048×7168, 47.9 against 62.7 at
 /// 7168×18432; M = 5 at 7168×18432 the one row within 1 % of it (45.2 against 44.6).
 const WG_MIN_M: usize = GEMV3_MAX_M + 1;
@@ -772,14 +772,14 @@ const WG_BN: usize = 128;
 const WG_BK: usize = 64;
 /// The wgmma kernel's token tiles (`w4a16_wg_<dt>_t<tokens>`: its MMAs are m64n<tokens>k16),
 /// largest first, each with the time of its stage against a 128-token one ([`wg_stage_us`]).
-/// 256 tokens: 1.4, from an H200 (README, "A 256-token tile"): at M = 1024-4096 on four
+/// 256 tokens: 1.4, from an H200 (LOG.md, "A 256-token tile"): at M = 1024-4096 on four
 /// DeepSeek-V3 shapes its blocks, one an SM, took 1.14-1.30x less time than 128-token blocks two
 /// an SM on 11 of 12 rows, and with 1.4 the plan's estimated ratios came within 13 % of the
 /// measured ones on 23 of 24 rows at M = 256 … 4096.
 /// Whole-call times on an H100 at M = 32 and the same grid (7168×2048 at 8 splits, 16384×7168
 /// at 7; for 64 tokens also 7168×18432 at 7) put 32 tokens at 0.74–0.84 and 64 at 0.80–0.88;
 /// 16 tokens took 0.91–0.92 of 32's whole-call time at M = 16 and the same grids on the four
-/// DeepSeek-V3 shapes of README "A 16-token tile" (there, 0.65–0.78 gives every one the same
+/// DeepSeek-V3 shapes of LOG.md "A 16-token tile" (there, 0.65–0.78 gives every one the same
 /// split count).
 const WG_TILES: [(usize, f64); 5] = [(256, 1.4), (128, 1.0), (64, 0.84), (32, 0.78), (16, 0.71)];
 /// Threads per block of the wgmma kernel: two warpgroups (cuda/gemm.cu `WG_THREADS`).
@@ -804,7 +804,7 @@ const SM90_SMEM_PER_SM: u32 = 228 * 1024;
 /// The same kernel's dynamic shared memory when its grid fits on the SMs at one block each:
 /// half an SM's, which with the block's reserved 1 KB leaves no room for a second block, so
 /// that no SM takes two blocks while others idle. On an H100, 2048×7168 at M = 256 (112
-/// blocks) took 32 µs two blocks an SM and 20.5 alone (README, "What bounds the M = 128
+/// blocks) took 32 µs two blocks an SM and 20.5 alone (LOG.md, "What bounds the M = 128
 /// kernel, and one block an SM").
 pub(crate) const W4A16_WG_SMEM_ALONE: u32 = SM90_SMEM_PER_SM / 2;
 /// Dynamic shared memory of `w4a16_wg_<dt>_t256`: 4 stages of a 256 × 64 x tile (32 KB) and the
@@ -871,10 +871,10 @@ fn wg_stage_us(blocks: usize, sms: usize, per_sm: usize) -> f64 {
 /// to M = 128 the smallest that holds M in one block; past it 128 and 256, between which the
 /// plan takes the one it prices lower ([`wg_splits`]; ties to 128). A smaller tile's MMAs are
 /// narrower, but every block dequantizes its weights again, and the dequantization, not the
-/// MMAs, holds most of a stage: on an H100 (README, "Token tiles of 32 and 64"), with M in one
+/// MMAs, holds most of a stage: on an H100 (LOG.md, "Token tiles of 32 and 64"), with M in one
 /// block, 32- and 64-token tiles ran 1.1–1.4× faster than 128 at M = 32 and 1.1–1.3× at
 /// M = 48 / 64, while two 64-token blocks instead of one of 128 ran 0.65–0.82× at M = 96 / 128;
-/// a 256-token block dequantizes once for twice the MMAs of a 128-token one (README, "A
+/// a 256-token block dequantizes once for twice the MMAs of a 128-token one (LOG.md, "A
 /// 256-token tile"). `forced` (a tile of [`WG_TILES`]) is the one candidate.
 fn wg_tiles(m: usize, forced: Option<usize>) -> Vec<(usize, f64)> {
     let tile = |t: usize| WG_TILES.into_iter().find(|&(u, _)| u == t);
@@ -896,7 +896,7 @@ fn wg_tiles(m: usize, forced: Option<usize>) -> Vec<(usize, f64)> {
 /// The loop by [`wg_stage_us`]; a split through the workspace adds its fp32 partials written and read back
 /// (≈ 3 TB/s) and the reduction's launch (≈ 2 µs), one summed in a cluster the partials' trip
 /// through distributed shared memory at the same rate and ≈ 2 µs of barriers. On eight
-/// DeepSeek-V3 shapes at M = 64 … 512 (H100, README "The split count against every forced
+/// DeepSeek-V3 shapes at M = 64 … 512 (H100, LOG.md "The split count against every forced
 /// split") it keeps the per-SM model's pick on 42 of 48 rows, is 3–13 % faster on five
 /// (7168×18432 at M = 256: 179 → 157 µs) and 4–6 % slower on one (7168×18432 at M = 64, where
 /// it prices 3 and 4 splits 0.2 µs apart). Stages cost `stage_cost` times a 128-token stage
@@ -1243,7 +1243,7 @@ fn wg_clustered(
 }
 
 /// Most K splits the wgmma GEMM sums in a cluster when its clusters take several waves. H100,
-/// µs warm (README, "Split-K in a cluster"): clusters of 4 over several waves gained
+/// µs warm (LOG.md, "Split-K in a cluster"): clusters of 4 over several waves gained
 /// (7168×18432 at M = 64 / 128 85.5 / 91.4 through the workspace → 82.3 / 84.7–87.3), clusters
 /// of 5–8 lost (16384×7168 at M = 64 / 128 split 7 ways: 85–87 against 67.5–72.8); in a single
 /// wave clusters of 8 gained (7168×1536 at M = 128: 13.2–13.4 against 14.0–14.1).
@@ -1671,7 +1671,7 @@ impl TiledGemv {
 /// the same groups (no warp without groups). Once every SM has a block (`tiles >= sms`) a
 /// warp keeps at least [`TILED_MIN_CHUNKS`] chunks (above 4 warps): a warp pays its first
 /// loads' latency alone, and more warps add no SMs.
-/// On an H200, over ten DeepSeek-V3 shapes at M = 1 (4 to 32 warps each, README, "Warps a
+/// On an H200, over ten DeepSeek-V3 shapes at M = 1 (4 to 32 warps each, LOG.md, "Warps a
 /// block, swept"), this picks a count within 1 % of the fastest on each, where whole waves
 /// (`ceil(tiles / slots) · (TILED_WAVE_GROUPS + b)`) ran 2048x7168 at 8 warps in 5.96 µs
 /// against 4 warps' 5.44, and 7168x18432 (1152 tiles of 56 groups) at 6 in 26.6 against 8
@@ -1708,7 +1708,7 @@ pub(crate) const TILED_MAX_WARPS: usize = 32;
 /// The same for the M > 8 kernel (78 registers from NVRTC 13.0 for sm_90a).
 pub(crate) const TILED16_MAX_WARPS: usize = 16;
 /// A round's ramp in the time of one group a warp: from 2 to 4 the H200 sweep's picks are the
-/// same (README, "Warps a block, swept").
+/// same (LOG.md, "Warps a block, swept").
 const TILED_WAVE_GROUPS: usize = 4;
 /// The fewest 64-wide chunks of weights a warp takes once every SM has a block (8 to 12 pick
 /// the same counts in the H200 sweep): 4 times the 2 it keeps in flight.
@@ -2906,7 +2906,7 @@ mod tests {
     fn tiled_warps_picks() {
         // An H200 (132 SMs), G = 128 (2 chunks a group). The M <= 8 kernel: 64 registers, 32
         // warps an SM; each pick below was within 1 % of the fastest of 4 to 32 warps measured
-        // at M = 1 (README, "Warps a block, swept").
+        // at M = 1 (LOG.md, "Warps a block, swept").
         let m1 = |tiles: usize, groups: usize| tiled_warps(132, tiles, groups, 2, 32, |w| 32 / w);
         // 7168x18432 (1152 tiles of 56 groups): 8 warps (25.1 µs; 2.2 rounds of 528 blocks, 7
         // groups a warp), not whole waves' 6 (26.6: 10 groups for the busiest warp) nor 4
@@ -3674,7 +3674,7 @@ mod tests {
         assert_eq!(wg_stage_us(264, 132, 2), 0.96);
         assert!((wg_stage_us(288, 132, 2) - (0.96 + 0.58)).abs() < 1e-12);
         assert!((wg_stage_us(576, 132, 2) - (2.0 * 0.96 + 0.58)).abs() < 1e-12);
-        // H100, every split count forced (README, "The split count against every forced
+        // H100, every split count forced (LOG.md, "The split count against every forced
         // split"): 7168×18432 at M = 256 (144 × 2 tiles, 112 stages) ran 180 µs unsplit and 158
         // at 2 splits in clusters (clusters of up to 4 pay there); through the workspace 2
         // splits cost more than they save.
@@ -3771,7 +3771,7 @@ mod tests {
             [5, 16, 17, 32, 33, 64, 65, 128].map(|m| tokens(m, 7168, 2048)),
             [16, 16, 32, 32, 64, 64, 128, 128]
         );
-        // Past 128, the tile priced lower. On an H200 (README, "A 256-token tile") 256 tokens
+        // Past 128, the tile priced lower. On an H200 (LOG.md, "A 256-token tile") 256 tokens
         // ran 1.00-1.30x faster at M = 1024-4096 on the four DeepSeek-V3 shapes (11 of 12 rows
         // 1.14x or more), and 128 tokens 1.17-1.26x faster at M = 384 on the two large ones
         // (three 128-token blocks against two 256-token blocks, the second half empty).
