@@ -19,33 +19,6 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 FP8_MAX = 448.0
 
 
-def deepseek_config(num_layers: int = 3):
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=num_layers,
-        first_k_dense_replace=1,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=32,
-        max_position_embeddings=128,
-        num_nextn_predict_layers=1,
-    )
-
-
 # What the small configs share: two small layers, one KV head.
 SMALL = dict(
     vocab_size=256,
@@ -57,18 +30,49 @@ SMALL = dict(
 )
 
 
+# What the DeepSeek generations share: MLA dimensions, a dense first layer, routed experts
+# beside one shared expert.
+DEEPSEEK_SMALL = dict(
+    **{**SMALL, "num_key_value_heads": 2},
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=32,
+)
+
+# What the Qwen MoE generations share: a dense first layer, 8 routed experts, top-2.
+QWEN_MOE_SMALL = dict(
+    **SMALL,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    mlp_only_layers=[0],
+)
+
+
+def deepseek_config(num_layers: int = 3):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        **{**DEEPSEEK_SMALL, "num_hidden_layers": num_layers},
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=32,
+        num_nextn_predict_layers=1,
+    )
+
+
 def qwen3_moe_config():
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(
-        **SMALL,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        head_dim=32,
-        mlp_only_layers=[0],
-    )
+    return Qwen3MoeConfig(**QWEN_MOE_SMALL, head_dim=32)
 
 
 def mixtral_config():
@@ -81,15 +85,7 @@ def qwen2_moe_config():
     """Qwen2-MoE: a shared expert beside the routed ones, weighted by its own sigmoid gate."""
     from transformers import Qwen2MoeConfig
 
-    return Qwen2MoeConfig(
-        **SMALL,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        mlp_only_layers=[0],
-    )
+    return Qwen2MoeConfig(**QWEN_MOE_SMALL, shared_expert_intermediate_size=64)
 
 
 def olmoe_config():
@@ -103,18 +99,8 @@ def deepseek_v2_config():
     from transformers import DeepseekV2Config
 
     return DeepseekV2Config(
-        **{**SMALL, "num_key_value_heads": 2},
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
+        **DEEPSEEK_SMALL,
         q_lora_rank=None,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=32,
         n_group=1,
         topk_group=1,
         topk_method="greedy",
